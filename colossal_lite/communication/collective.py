@@ -1,0 +1,168 @@
+"""Collectives addressed by ParallelMode (or a ProcessGroupAxis), each counted.
+
+Every function takes ``axis``: a :class:`ParallelMode` (resolved through the
+global context) or a :class:`ProcessGroupAxis`. On a group of one rank each is
+the identity and communicates nothing. ``async_op=True`` returns a
+:class:`Pending` whose ``wait()`` gives the result.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..context import ParallelMode, ProcessGroupAxis, global_context
+from .profile import record
+
+AxisLike = Union[ParallelMode, ProcessGroupAxis]
+
+
+# torch >= 2.10 names the flat-buffer collectives *_single; older releases *_into_tensor / *_tensor
+_all_gather_flat = getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, 'reduce_scatter_single', None) or dist.reduce_scatter_tensor
+
+
+def resolve(axis: AxisLike) -> ProcessGroupAxis:
+    return global_context.axis(axis) if isinstance(axis, ParallelMode) else axis
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Pending:
+    """The result of an async collective: ``wait()`` finishes it and returns the tensor."""
+
+    def __init__(self, work, finish: Callable[[], torch.Tensor]):
+        self._work = work
+        self._finish = finish
+        self._result = None
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self._result = self._finish()
+        elif self._result is None:
+            self._result = self._finish()
+        return self._result
+
+
+def _done(result: torch.Tensor, async_op: bool):
+    return Pending(None, lambda: result) if async_op else result
+
+
+def _run(work_or_none, finish, async_op):
+    if async_op:
+        return Pending(work_or_none, finish)
+    return finish()
+
+
+def check_divisible(size: int, parts: int, what: str):
+    if size % parts:
+        raise ValueError(f'{what} = {size} must be divisible by the group size {parts}')
+
+
+def all_reduce(tensor: torch.Tensor, axis: AxisLike, op=dist.ReduceOp.SUM,
+               async_op: bool = False, inplace: bool = False):
+    """Sum (or ``op``) ``tensor`` over the group; returns the reduced tensor."""
+    ax = resolve(axis)
+    if ax.size == 1:
+        return _done(tensor, async_op)
+    out = tensor if inplace else tensor.contiguous().clone()
+    record(ax.mode, 'all_reduce', _nbytes(out), ax.size)
+    work = dist.all_reduce(out, op=op, group=ax.group, async_op=async_op)
+    return _run(work, lambda: out, async_op)
+
+
+def all_gather(tensor: torch.Tensor, axis: AxisLike, dim: int = 0, async_op: bool = False):
+    """Concatenate every rank's ``tensor`` along ``dim`` in local-rank order."""
+    ax = resolve(axis)
+    if ax.size == 1:
+        return _done(tensor, async_op)
+    dim = dim % tensor.dim()
+    inp = tensor.contiguous()
+    buf = torch.empty((ax.size * inp.shape[0],) + tuple(inp.shape[1:]), dtype=inp.dtype,
+                      device=inp.device)
+    record(ax.mode, 'all_gather', _nbytes(buf), ax.size)
+    work = _all_gather_flat(buf, inp, group=ax.group, async_op=async_op)
+
+    def finish():
+        if dim == 0:
+            return buf
+        return torch.cat(buf.view((ax.size,) + tuple(inp.shape)).unbind(0), dim=dim)
+    return _run(work, finish, async_op)
+
+
+def reduce_scatter(tensor: torch.Tensor, axis: AxisLike, dim: int = 0, op=dist.ReduceOp.SUM,
+                   async_op: bool = False):
+    """Sum over the group, then keep this rank's chunk along ``dim``."""
+    ax = resolve(axis)
+    if ax.size == 1:
+        return _done(tensor, async_op)
+    dim = dim % tensor.dim()
+    check_divisible(tensor.shape[dim], ax.size, f'reduce_scatter dimension {dim}')
+    out_shape = list(tensor.shape)
+    out_shape[dim] //= ax.size
+    if dim == 0:
+        inp = tensor.contiguous()
+    else:  # bring the chunks of ``dim`` to the front: [p * chunk0, ...]
+        inp = torch.cat(tensor.chunk(ax.size, dim=dim), dim=0).contiguous()
+    out = torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
+    record(ax.mode, 'reduce_scatter', _nbytes(inp), ax.size)
+    work = _reduce_scatter_flat(out, inp, op=op, group=ax.group, async_op=async_op)
+    return _run(work, lambda: out, async_op)
+
+
+def broadcast(tensor: torch.Tensor, axis: AxisLike, src: int = 0, async_op: bool = False,
+              inplace: bool = False):
+    """Every rank gets the tensor of local rank ``src``."""
+    ax = resolve(axis)
+    if ax.size == 1:
+        return _done(tensor, async_op)
+    out = tensor if inplace else tensor.contiguous().clone()
+    record(ax.mode, 'broadcast', _nbytes(out), ax.size)
+    work = dist.broadcast(out, src=ax.global_rank(src), group=ax.group, async_op=async_op)
+    return _run(work, lambda: out, async_op)
+
+
+def reduce(tensor: torch.Tensor, axis: AxisLike, dst: int = 0, op=dist.ReduceOp.SUM,
+           async_op: bool = False):
+    """Sum onto local rank ``dst`` (other ranks' results are unspecified)."""
+    ax = resolve(axis)
+    if ax.size == 1:
+        return _done(tensor, async_op)
+    out = tensor.contiguous().clone()
+    record(ax.mode, 'reduce', _nbytes(out), ax.size)
+    work = dist.reduce(out, dst=ax.global_rank(dst), op=op, group=ax.group, async_op=async_op)
+    return _run(work, lambda: out, async_op)
+
+
+def all_to_all(tensor: torch.Tensor, axis: AxisLike, scatter_dim: int, gather_dim: int,
+               async_op: bool = False):
+    """Split ``scatter_dim`` into group-size chunks, send chunk r to rank r, concat on ``gather_dim``."""
+    ax = resolve(axis)
+    if ax.size == 1:
+        return _done(tensor, async_op)
+    check_divisible(tensor.shape[scatter_dim], ax.size, f'all_to_all dimension {scatter_dim}')
+    inputs = [c.contiguous() for c in tensor.chunk(ax.size, dim=scatter_dim)]
+    outputs = [torch.empty_like(c) for c in inputs]
+    record(ax.mode, 'all_to_all', _nbytes(tensor), ax.size)
+    work = dist.all_to_all(outputs, inputs, group=ax.group, async_op=async_op)
+    return _run(work, lambda: torch.cat(outputs, dim=gather_dim), async_op)
+
+
+def split(tensor: torch.Tensor, axis: AxisLike, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``tensor`` along ``dim`` (no communication)."""
+    ax = resolve(axis)
+    if ax.size == 1:
+        return tensor
+    check_divisible(tensor.shape[dim], ax.size, f'split dimension {dim % tensor.dim()}')
+    return tensor.chunk(ax.size, dim=dim)[ax.rank].contiguous()
+
+
+def barrier(axis: AxisLike = ParallelMode.GLOBAL):
+    ax = resolve(axis)
+    if ax.size > 1:
+        dist.barrier(group=ax.group)

@@ -1,0 +1,131 @@
+"""Autograd-aware collectives: conjugate pairs whose backward is the transpose of forward.
+
+=====================  ==========================  ===========================
+function               forward                     backward
+=====================  ==========================  ===========================
+copy_to                identity                    all_reduce
+reduce_from            all_reduce                  identity
+split_to               keep own chunk of ``dim``   all_gather ``dim``
+gather_from            all_gather ``dim``          keep own chunk of ``dim``
+all_gather_to          all_gather ``dim``          reduce_scatter ``dim``
+reduce_scatter_to      reduce_scatter ``dim``      all_gather ``dim``
+=====================  ==========================  ===========================
+
+``copy_to``/``reduce_from`` bracket a region where a replicated input feeds
+partial computations; ``split_to``/``gather_from`` move between a replicated
+tensor and its shards when every rank computes the same thing downstream;
+``all_gather_to``/``reduce_scatter_to`` are the pair for sharded operands
+whose products are partial sums (3D, sequence).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import collective as C
+from .collective import AxisLike, resolve
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_reduce(grad, ctx.axis), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        return C.all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return C.split(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_gather(grad, ctx.axis, ctx.dim), None, None
+
+
+class _GatherFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return C.all_gather(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.split(grad, ctx.axis, ctx.dim), None, None
+
+
+class _AllGatherTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return C.all_gather(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.reduce_scatter(grad, ctx.axis, ctx.dim), None, None
+
+
+class _ReduceScatterTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return C.reduce_scatter(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_gather(grad, ctx.axis, ctx.dim), None, None
+
+
+def _skip(axis: AxisLike):
+    ax = resolve(axis)
+    return ax, ax.size == 1
+
+
+def copy_to(x: torch.Tensor, axis: AxisLike) -> torch.Tensor:
+    """Identity forward; gradients summed over the group backward."""
+    ax, trivial = _skip(axis)
+    return x if trivial else _CopyTo.apply(x, ax)
+
+
+def reduce_from(x: torch.Tensor, axis: AxisLike) -> torch.Tensor:
+    """Partial sums all-reduced forward; gradient passed through backward."""
+    ax, trivial = _skip(axis)
+    return x if trivial else _ReduceFrom.apply(x, ax)
+
+
+def split_to(x: torch.Tensor, axis: AxisLike, dim: int) -> torch.Tensor:
+    """Own chunk of ``dim`` forward; gradient chunks all-gathered backward."""
+    ax, trivial = _skip(axis)
+    return x if trivial else _SplitTo.apply(x, ax, dim)
+
+
+def gather_from(x: torch.Tensor, axis: AxisLike, dim: int) -> torch.Tensor:
+    """Chunks all-gathered along ``dim`` forward; own gradient chunk kept backward."""
+    ax, trivial = _skip(axis)
+    return x if trivial else _GatherFrom.apply(x, ax, dim)
+
+
+def all_gather_to(x: torch.Tensor, axis: AxisLike, dim: int) -> torch.Tensor:
+    """All-gather along ``dim`` forward; reduce-scatter of the gradient backward."""
+    ax, trivial = _skip(axis)
+    return x if trivial else _AllGatherTo.apply(x, ax, dim)
+
+
+def reduce_scatter_to(x: torch.Tensor, axis: AxisLike, dim: int) -> torch.Tensor:
+    """Reduce-scatter along ``dim`` forward; all-gather of the gradient backward."""
+    ax, trivial = _skip(axis)
+    return x if trivial else _ReduceScatterTo.apply(x, ax, dim)

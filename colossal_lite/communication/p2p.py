@@ -1,0 +1,64 @@
+"""Point-to-point messages inside a group, addressed by local rank, each counted."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .collective import AxisLike, Pending, resolve
+from .profile import record
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def send(tensor: torch.Tensor, axis: AxisLike, dst: int, async_op: bool = False):
+    """Send to local rank ``dst`` of the group."""
+    ax = resolve(axis)
+    data = tensor.contiguous()
+    record(ax.mode, 'send', _nbytes(data), ax.size)
+    work = dist.isend(data, ax.global_rank(dst), group=ax.group)
+    if async_op:
+        return Pending(work, lambda: data)
+    work.wait()
+    return data
+
+
+def recv(buffer: torch.Tensor, axis: AxisLike, src: int, async_op: bool = False):
+    """Receive into ``buffer`` from local rank ``src`` of the group."""
+    ax = resolve(axis)
+    record(ax.mode, 'recv', _nbytes(buffer), ax.size)
+    work = dist.irecv(buffer, ax.global_rank(src), group=ax.group)
+    if async_op:
+        return Pending(work, lambda: buffer)
+    work.wait()
+    return buffer
+
+
+def ring_exchange(tensor: torch.Tensor, axis: AxisLike, shift: int = 1,
+                  async_op: bool = False):
+    """Send ``tensor`` to local rank ``rank + shift`` and receive the one of ``rank - shift``.
+
+    Returns the received tensor (same shape and dtype). With a group of one
+    rank, the tensor itself.
+    """
+    ax = resolve(axis)
+    if ax.size == 1:
+        return Pending(None, lambda: tensor) if async_op else tensor
+    data = tensor.contiguous()
+    incoming = torch.empty_like(data)
+    nbytes = _nbytes(data)
+    record(ax.mode, 'send', nbytes, ax.size)
+    record(ax.mode, 'recv', nbytes, ax.size)
+    dst = ax.global_rank((ax.rank + shift) % ax.size)
+    src = ax.global_rank((ax.rank - shift) % ax.size)
+    works: List = [dist.isend(data, dst, group=ax.group), dist.irecv(incoming, src, group=ax.group)]
+
+    class _Both:
+        def wait(self):
+            for w in works:
+                w.wait()
+    pending = Pending(_Both(), lambda: incoming)
+    return pending if async_op else pending.wait()

@@ -1,0 +1,9 @@
+"""Parallel context: ParallelMode, the process groups (``global_context``) and RNG seeds."""
+from .parallel_mode import ParallelMode
+from .parallel_context import ParallelContext, ProcessGroupAxis, global_context
+from .random import seed, seed_manager
+
+gpc = global_context
+
+__all__ = ['ParallelMode', 'ParallelContext', 'ProcessGroupAxis', 'global_context', 'gpc',
+           'seed', 'seed_manager']

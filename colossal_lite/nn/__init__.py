@@ -1,0 +1,9 @@
+"""Parallel layers behind mode-dispatching facades, and the losses."""
+from .layers import (AttentionCore, Classifier, CrossEntropyLoss, Dropout, Embedding, LayerNorm,
+                     Linear, PatchEmbedding, VocabParallelClassifier, VocabParallelEmbedding,
+                     gather_logits)
+from .registry import implementation, register
+
+__all__ = ['AttentionCore', 'Classifier', 'CrossEntropyLoss', 'Dropout', 'Embedding', 'LayerNorm',
+           'Linear', 'PatchEmbedding', 'VocabParallelClassifier', 'VocabParallelEmbedding',
+           'gather_logits', 'implementation', 'register']

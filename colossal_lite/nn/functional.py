@@ -1,0 +1,105 @@
+"""Functions shared by every layer family: vocab-parallel cross entropy, attention, logits tags.
+
+Vocab-parallel cross entropy (logits split along the vocabulary over ``axis``)::
+
+    m      = all_reduce_max(max_j z_j)                 # 1 all_reduce of N floats
+    S      = all_reduce_sum(sum_j exp(z_j - m))        # 1 all_reduce of N floats
+    z_t    = all_reduce_sum(z_t if t is local else 0)  # 1 all_reduce of N floats
+    loss   = log S - (z_t - m)
+    dL/dz_j = softmax_j - [j == t]                     # local, no communication
+
+Tokens whose label is ``ignore_index`` get loss 0 and gradient 0.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..communication import collective as C
+from ..context import ProcessGroupAxis
+
+VOCAB_AXIS_ATTR = '_cl_vocab_axis'
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, axis, ignore_index):
+        logits = logits.float()
+        vocab_local = logits.shape[-1]
+        start = axis.rank * vocab_local
+        logits_max = C.all_reduce(logits.max(dim=-1).values, axis, op=dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        valid = target != ignore_index
+        local_target = target - start
+        owned = valid & (local_target >= 0) & (local_target < vocab_local)
+        safe_index = torch.where(owned, local_target, torch.zeros_like(local_target))
+        picked = shifted.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1) * owned
+        exp = shifted.exp()
+        sum_exp = C.all_reduce(exp.sum(dim=-1), axis)
+        picked = C.all_reduce(picked, axis)
+        loss = (sum_exp.log() - picked) * valid
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, safe_index, owned, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, safe_index, owned, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, safe_index.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
+        grad *= (grad_loss * valid).unsqueeze(-1)
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 axis: ProcessGroupAxis, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token loss for logits ``[N, V/p]`` split along the vocabulary over ``axis``."""
+    if axis.size == 1:
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index,
+                               reduction='none')
+    return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index)
+
+
+def tag_vocab_parallel(logits: torch.Tensor, axis: ProcessGroupAxis) -> torch.Tensor:
+    """Mark logits as split along the vocabulary over ``axis`` (read by the losses)."""
+    setattr(logits, VOCAB_AXIS_ATTR, axis)
+    return logits
+
+
+def vocab_axis_of(logits: torch.Tensor) -> Optional[ProcessGroupAxis]:
+    return getattr(logits, VOCAB_AXIS_ATTR, None)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
+              causal: bool = False, key_padding_mask: Optional[torch.Tensor] = None,
+              dropout_p: float = 0.0,
+              rng: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+    """softmax(Q K^T / sqrt(d) + mask) V on local tensors ``[b, s, n*d]``.
+
+    ``key_padding_mask`` is ``[b, s_k]`` with 1/True for keys to attend to.
+    ``rng`` gives the context in which attention dropout draws its mask.
+    """
+    b, s_q, width = q.shape
+    s_k = k.shape[1]
+    if width % head_dim:
+        raise ValueError(f'local attention width {width} is not a multiple of head_dim {head_dim}')
+    heads = width // head_dim
+
+    def split_heads(t, s):
+        return t.view(b, s, heads, head_dim).transpose(1, 2)
+
+    mask = None
+    if key_padding_mask is not None:
+        mask = key_padding_mask.to(torch.bool).view(b, 1, 1, s_k)
+    if causal:
+        tri = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+        mask = tri if mask is None else mask & tri
+    with rng():
+        out = F.scaled_dot_product_attention(split_heads(q, s_q), split_heads(k, s_k),
+                                             split_heads(v, s_k), attn_mask=mask,
+                                             dropout_p=dropout_p)
+    return out.transpose(1, 2).reshape(b, s_q, width)

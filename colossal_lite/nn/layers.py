@@ -1,0 +1,87 @@
+"""Mode-dispatching facades: model code writes ``col_nn.Linear(...)`` once for every layout.
+
+Each facade returns the layer of the family of the launched tensor mode (see
+``registry.py``). The signatures are mode-agnostic; the only structural hints
+model code gives are:
+
+* ``Linear(..., region='enter' | 'exit' | None)``: a linear that opens a
+  parallel region (its output may stay sharded, e.g. attention QKV, MLP fc1),
+  one that closes it (attention output projection, MLP fc2), or a standalone
+  linear whose input and output both have the mode's standard layout.
+* ``Dropout(p, inside_region=True)`` for activations between 'enter' and 'exit'.
+
+Activation layouts are the family's business; inputs (ids, images, labels,
+masks) are always the user's full tensors.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .registry import implementation
+
+
+def Linear(in_features: int, out_features: int, bias: bool = True, region: Optional[str] = None,
+           **kwargs):
+    """A linear layer of the current mode; ``region`` as in the module docstring."""
+    return implementation('linear')(in_features, out_features, bias=bias, region=region, **kwargs)
+
+
+def LayerNorm(normalized_shape: int, eps: float = 1e-5, **kwargs):
+    return implementation('layernorm')(normalized_shape, eps=eps, **kwargs)
+
+
+def Embedding(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, **kwargs):
+    """Embedding of full ids ``[b, s]`` -> activations in the mode's standard layout."""
+    return implementation('embedding')(num_embeddings, embedding_dim, padding_idx=padding_idx, **kwargs)
+
+
+def VocabParallelEmbedding(num_embeddings: int, embedding_dim: int,
+                           padding_idx: Optional[int] = None, **kwargs):
+    """Like Embedding, with the vocabulary split across ranks (large vocabularies)."""
+    return implementation('vocab_parallel_embedding')(num_embeddings, embedding_dim,
+                                                      padding_idx=padding_idx, **kwargs)
+
+
+def Classifier(in_features: int, num_classes: int, bias: bool = True, weight=None, **kwargs):
+    """Logits for every class (ViT head, NSP head)."""
+    return implementation('classifier')(in_features, num_classes, bias=bias, weight=weight, **kwargs)
+
+
+def VocabParallelClassifier(in_features: int, num_classes: int, bias: bool = False, weight=None,
+                            **kwargs):
+    """Logits split along the classes (LM heads); ``weight=`` ties it to a VocabParallelEmbedding."""
+    return implementation('vocab_parallel_classifier')(in_features, num_classes, bias=bias,
+                                                       weight=weight, **kwargs)
+
+
+def PatchEmbedding(img_size: int, patch_size: int, in_chans: int, embed_size: int, **kwargs):
+    """Full images ``[b, C, H, W]`` -> ``[b, 1 + patches, h]`` (class token + positions)."""
+    return implementation('patch_embedding')(img_size, patch_size, in_chans, embed_size, **kwargs)
+
+
+def Dropout(p: float = 0.5, inside_region: bool = False, **kwargs):
+    return implementation('dropout')(p, inside_region=inside_region, **kwargs)
+
+
+def AttentionCore(head_dim: int, causal: bool = False, dropout: float = 0.0, **kwargs):
+    """softmax(QK^T/sqrt(d) + mask)V on the q, k, v produced by 'enter' linears.
+
+    ``forward(q, k, v, key_padding_mask=None)``; the mask is the user's full ``[b, s]``
+    mask (1 = attend) and is split by the family as its layout needs.
+    """
+    return implementation('attention_core')(head_dim, causal=causal, dropout=dropout, **kwargs)
+
+
+def CrossEntropyLoss(ignore_index: int = -100, reduction: str = 'mean',
+                     vocab_parallel: Optional[bool] = None, **kwargs):
+    """Cross entropy of a Classifier's or VocabParallelClassifier's logits against full labels.
+
+    ``vocab_parallel=None`` reads the logits' own tag; True/False forces it.
+    """
+    return implementation('cross_entropy')(ignore_index=ignore_index, reduction=reduction,
+                                           vocab_parallel=vocab_parallel, **kwargs)
+
+
+def gather_logits(logits):
+    """The full ``[b, s, C]`` logits a serial model would return, on every rank."""
+    return implementation('gather_logits')(logits)

@@ -1,0 +1,293 @@
+"""1D (Megatron) tensor parallelism over the PARALLEL_1D group of p ranks.
+
+Activations outside a parallel region are replicated ``[b, s, h]`` on every
+rank. A region opens with a column-parallel linear (output split along the
+last dim) and closes with a row-parallel linear (input split, output summed).
+Each layer's docstring gives the sharding of its weights (``full -> local``)
+and the collectives it issues. With a one-rank group every layer is exactly
+the serial torch layer; serial runs and pure data parallelism use them so.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...communication import copy_to, gather_from, reduce_from, split_to
+from ...communication.collective import check_divisible
+from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc, seed
+from ...tensor import ShardSpec, ShardedModule, get_spec, set_spec, sharded_parameter
+from ..functional import tag_vocab_parallel
+
+Init = Callable[[torch.Tensor], object]
+
+
+def default_axis() -> ProcessGroupAxis:
+    """PARALLEL_1D when the launched mode is 1D, else a one-rank group (serial layers)."""
+    if gpc.tensor_mode == '1d':
+        return gpc.axis(ParallelMode.PARALLEL_1D)
+    return ProcessGroupAxis.serial(ParallelMode.PARALLEL_1D)
+
+
+def linear_weight_init(fan_in: int) -> Init:
+    """torch.nn.Linear's weight init (kaiming uniform, a=sqrt(5)), on the full weight."""
+    return lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+
+
+def linear_bias_init(fan_in: int) -> Init:
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+    return lambda b: nn.init.uniform_(b, -bound, bound)
+
+
+def _check(size: int, parts: int, what: str):
+    check_divisible(size, parts, what)
+
+
+class ColumnLinear1D(ShardedModule):
+    """y = x A^T + b with A split by output rows: weight [out, in] -> [out/p, in], bias [out/p].
+
+    Input replicated [.., in]; output [.., out/p] (or gathered [.., out]).
+    Forward: none (all_gather of y if ``gather_output``). Backward: all_reduce of dx.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 gather_output: bool = False, axis: Optional[ProcessGroupAxis] = None,
+                 weight_init: Optional[Init] = None, bias_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.axis = axis or default_axis()
+        _check(out_features, self.axis.size, 'Linear out_features (1D column split)')
+        self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
+        spec = ShardSpec.of((0, self.axis))
+        self.weight = sharded_parameter((out_features, in_features), spec,
+                                        weight_init or linear_weight_init(in_features), dtype)
+        self.bias = sharded_parameter((out_features,), spec,
+                                      bias_init or linear_bias_init(in_features), dtype) if bias else None
+
+    def forward(self, x):
+        y = F.linear(copy_to(x, self.axis), self.weight, self.bias)
+        return gather_from(y, self.axis, -1) if self.gather_output else y
+
+
+class RowLinear1D(ShardedModule):
+    """y = x A^T + b with A split by input columns: weight [out, in] -> [out, in/p], bias replicated.
+
+    Input [.., in/p] (or replicated [.., in], split locally); output replicated [.., out].
+    Forward: all_reduce of the partial products. Backward: none (all_gather of dx
+    if the input was replicated).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = True, axis: Optional[ProcessGroupAxis] = None,
+                 weight_init: Optional[Init] = None, bias_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.axis = axis or default_axis()
+        _check(in_features, self.axis.size, 'Linear in_features (1D row split)')
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.weight = sharded_parameter((out_features, in_features), ShardSpec.of((1, self.axis)),
+                                        weight_init or linear_weight_init(in_features), dtype)
+        self.bias = sharded_parameter((out_features,), ShardSpec(),
+                                      bias_init or linear_bias_init(in_features), dtype) if bias else None
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = split_to(x, self.axis, -1)
+        y = reduce_from(F.linear(x, self.weight), self.axis)
+        return y + self.bias if self.bias is not None else y
+
+
+def linear_1d(in_features: int, out_features: int, bias: bool = True,
+              region: Optional[str] = None, **kwargs):
+    """The facade's choice: 'enter' -> column (output stays split), 'exit' -> row,
+    None -> column with the output gathered (replicated in, replicated out)."""
+    if region == 'enter':
+        return ColumnLinear1D(in_features, out_features, bias, gather_output=False, **kwargs)
+    if region == 'exit':
+        return RowLinear1D(in_features, out_features, bias, input_is_parallel=True, **kwargs)
+    if region is None:
+        return ColumnLinear1D(in_features, out_features, bias, gather_output=True, **kwargs)
+    raise ValueError(f"Linear region must be 'enter', 'exit' or None, got {region!r}")
+
+
+class VocabParallelEmbedding1D(ShardedModule):
+    """Lookup with the vocabulary split: weight [V, h] -> [V/p, h]; out replicated [b, s, h].
+
+    Ids outside this rank's range give zeros; forward all_reduce sums the rows.
+    Backward: none.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 axis: Optional[ProcessGroupAxis] = None, weight_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.axis = axis or default_axis()
+        _check(num_embeddings, self.axis.size, 'VocabParallelEmbedding num_embeddings')
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start = self.axis.rank * (num_embeddings // self.axis.size)
+        self.vocab_end = self.vocab_start + num_embeddings // self.axis.size
+        self.padding_idx = padding_idx
+        self.weight = sharded_parameter((num_embeddings, embedding_dim), ShardSpec.of((0, self.axis)),
+                                        weight_init or _embedding_init(padding_idx), dtype)
+
+    def forward(self, ids):
+        if self.axis.size == 1:
+            return F.embedding(ids, self.weight, self.padding_idx)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
+        local_pad = None
+        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
+            local_pad = self.padding_idx - self.vocab_start
+        out = F.embedding(local_ids, self.weight, local_pad)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from(out, self.axis)
+
+
+def _embedding_init(padding_idx: Optional[int]) -> Init:
+    def init(w):
+        nn.init.normal_(w)
+        if padding_idx is not None:
+            w[padding_idx].zero_()
+    return init
+
+
+class Embedding1D(ShardedModule):
+    """Lookup with the hidden dim split: weight [V, h] -> [V, h/p]; out replicated [b, s, h].
+
+    Forward: all_gather along the hidden dim. Backward: none (keep own chunk).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 axis: Optional[ProcessGroupAxis] = None, weight_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.axis = axis or default_axis()
+        _check(embedding_dim, self.axis.size, 'Embedding embedding_dim (1D hidden split)')
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.weight = sharded_parameter((num_embeddings, embedding_dim), ShardSpec.of((1, self.axis)),
+                                        weight_init or _embedding_init(padding_idx), dtype)
+
+    def forward(self, ids):
+        return gather_from(F.embedding(ids, self.weight, self.padding_idx), self.axis, -1)
+
+
+def _tied_or_new(weight: Optional[nn.Parameter], full_shape, spec: ShardSpec, init: Init, dtype):
+    if weight is None:
+        return sharded_parameter(full_shape, spec, init, dtype)
+    if get_spec(weight) != spec or tuple(weight.shape) != spec.local_shape(full_shape):
+        raise ValueError(f'a tied classifier weight must be sharded as {spec} with local shape '
+                         f'{spec.local_shape(full_shape)}, got {get_spec(weight)} and '
+                         f'{tuple(weight.shape)}')
+    return weight
+
+
+class VocabParallelClassifier1D(ShardedModule):
+    """Logits with the classes split: weight [C, h] -> [C/p, h], bias [C/p]; input replicated.
+
+    Output [.., C/p], tagged vocab-parallel for the loss. Forward: none.
+    Backward: all_reduce of dx. ``weight`` ties it to a VocabParallelEmbedding's weight.
+    """
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = False,
+                 weight: Optional[nn.Parameter] = None, axis: Optional[ProcessGroupAxis] = None,
+                 weight_init: Optional[Init] = None, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.axis = axis or default_axis()
+        _check(num_classes, self.axis.size, 'VocabParallelClassifier num_classes')
+        self.in_features, self.num_classes = in_features, num_classes
+        spec = ShardSpec.of((0, self.axis))
+        self.weight = _tied_or_new(weight, (num_classes, in_features), spec,
+                                   weight_init or linear_weight_init(in_features), dtype)
+        self.bias = sharded_parameter((num_classes,), spec, linear_bias_init(in_features),
+                                      dtype) if bias else None
+
+    def forward(self, x):
+        logits = F.linear(copy_to(x, self.axis), self.weight, self.bias)
+        return tag_vocab_parallel(logits, self.axis) if self.axis.size > 1 else logits
+
+
+class Classifier1D(ShardedModule):
+    """Logits for all classes: weight [C, h] -> [C, h/p] (row split), bias replicated.
+
+    Input replicated [.., h] (split locally); output replicated [.., C].
+    Forward: all_reduce of the partial logits. Backward: all_gather of dx.
+    ``weight`` ties it to an Embedding1D weight (same split).
+    """
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = True,
+                 weight: Optional[nn.Parameter] = None, axis: Optional[ProcessGroupAxis] = None,
+                 weight_init: Optional[Init] = None, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.axis = axis or default_axis()
+        _check(in_features, self.axis.size, 'Classifier in_features (1D row split)')
+        self.in_features, self.num_classes = in_features, num_classes
+        self.weight = _tied_or_new(weight, (num_classes, in_features), ShardSpec.of((1, self.axis)),
+                                   weight_init or linear_weight_init(in_features), dtype)
+        self.bias = sharded_parameter((num_classes,), ShardSpec(), linear_bias_init(in_features),
+                                      dtype) if bias else None
+
+    def forward(self, x):
+        y = reduce_from(F.linear(split_to(x, self.axis, -1), self.weight), self.axis)
+        return y + self.bias if self.bias is not None else y
+
+
+class LayerNorm1D(nn.LayerNorm):
+    """LayerNorm on replicated activations; weight and bias replicated. No communication."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, dtype=None, axis=None):
+        super().__init__(normalized_shape, eps=eps, dtype=dtype)
+
+
+class Dropout1D(nn.Module):
+    """Dropout; ``inside_region`` marks sharded activations, whose ranks draw independent
+    masks from the TENSOR stream. Replicated activations use the default stream, which is
+    the same on every rank, so their masks agree."""
+
+    def __init__(self, p: float = 0.5, inside_region: bool = False,
+                 axis: Optional[ProcessGroupAxis] = None):
+        super().__init__()
+        self.p, self.inside_region = p, inside_region
+        self.axis = axis or default_axis()
+
+    def rng(self):
+        if self.inside_region and self.axis.size > 1:
+            return seed(ParallelMode.TENSOR)
+        return contextlib.nullcontext()
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        with self.rng():
+            return F.dropout(x, self.p, True)
+
+
+class PatchEmbedding1D(ShardedModule):
+    """Image -> [b, 1 + n_patches, h]: conv patches, class token, learned positions.
+
+    All weights replicated (activations are replicated in 1D): proj.weight [h, C, P, P],
+    proj.bias [h], cls_token [1, 1, h], pos_embed [1, 1 + n, h]. No communication.
+    """
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int,
+                 dtype=None, axis=None, weight_init: Optional[Init] = None):
+        super().__init__()
+        if img_size % patch_size:
+            raise ValueError(f'img_size {img_size} must be divisible by patch_size {patch_size}')
+        self.num_patches = (img_size // patch_size) ** 2
+        self.patch_size = patch_size
+        self.proj = nn.Conv2d(in_chans, embed_size, patch_size, patch_size, dtype=dtype)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_size, dtype=dtype))
+        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.num_patches, embed_size, dtype=dtype))
+        with torch.no_grad():
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+            nn.init.trunc_normal_(self.cls_token, std=0.02)
+
+    def forward(self, images):
+        x = self.proj(images).flatten(2).transpose(1, 2)
+        cls = self.cls_token.expand(x.shape[0], -1, -1)
+        return torch.cat([cls, x], dim=1) + self.pos_embed

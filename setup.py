@@ -1,0 +1,27 @@
+"""colossal_lite packaging.
+
+torch is required but never pinned to a build: an existing torch (CUDA or CPU)
+satisfies ``torch>=2.1`` and is left alone. On a machine without torch, run
+``scripts/install.sh`` first: it installs the CPU wheel instead of the default
+CUDA build.
+"""
+from setuptools import find_packages, setup
+
+EXTRAS = {
+    'test': ['pytest>=7', 'pytest-timeout>=2', 'scikit-learn>=1.3'],
+    'hf': ['transformers>=4.40', 'tokenizers>=0.15'],
+    'dev': ['matplotlib>=3.7', 'tqdm>=4.60', 'scikit-learn>=1.3'],
+}
+EXTRAS['all'] = sorted({dep for deps in EXTRAS.values() for dep in deps})
+
+setup(
+    name='colossal_lite',
+    version='0.1.0',
+    description='Data, pipeline, 1D/2D/2.5D/3D tensor and sequence parallel training on PyTorch',
+    packages=find_packages(include=['colossal_lite', 'colossal_lite.*', 'model_zoo', 'model_zoo.*']),
+    package_data={'colossal_lite': ['data/*.txt']},
+    python_requires='>=3.9',
+    install_requires=['torch>=2.1', 'numpy', 'tqdm'],
+    extras_require=EXTRAS,
+    entry_points={'console_scripts': ['colossal-lite=colossal_lite.cli:main']},
+)
