@@ -1,9 +1,9 @@
 """Parallel layers behind mode-dispatching facades, and the losses."""
 from .layers import (AttentionCore, Classifier, CrossEntropyLoss, Dropout, Embedding, LayerNorm,
                      Linear, PatchEmbedding, VocabParallelClassifier, VocabParallelEmbedding,
-                     gather_logits)
+                     gather_logits, first_token)
 from .registry import implementation, register
 
 __all__ = ['AttentionCore', 'Classifier', 'CrossEntropyLoss', 'Dropout', 'Embedding', 'LayerNorm',
            'Linear', 'PatchEmbedding', 'VocabParallelClassifier', 'VocabParallelEmbedding',
-           'gather_logits', 'implementation', 'register']
+           'gather_logits', 'first_token', 'implementation', 'register']

@@ -85,3 +85,9 @@ def CrossEntropyLoss(ignore_index: int = -100, reduction: str = 'mean',
 def gather_logits(logits):
     """The full ``[b, s, C]`` logits a serial model would return, on every rank."""
     return implementation('gather_logits')(logits)
+
+
+def first_token(x):
+    """``x[:, 0]`` of an activation in the standard layout (the [CLS] / class token),
+    returned in the standard layout of a ``[b, h]`` activation."""
+    return implementation('first_token')(x)

@@ -23,7 +23,7 @@ _FAMILY_MODULES = {
 }
 KINDS = ('linear', 'layernorm', 'embedding', 'vocab_parallel_embedding', 'classifier',
          'vocab_parallel_classifier', 'patch_embedding', 'dropout', 'cross_entropy',
-         'attention_core', 'gather_logits')
+         'attention_core', 'gather_logits', 'first_token')
 
 _REGISTRY: Dict[Tuple[Optional[str], str], Callable] = {}
 

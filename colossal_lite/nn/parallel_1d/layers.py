@@ -20,7 +20,7 @@ from torch import nn
 from ...communication import copy_to, gather_from, reduce_from, split_to
 from ...communication.collective import check_divisible
 from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc, seed
-from ...tensor import ShardSpec, ShardedModule, get_spec, set_spec, sharded_parameter
+from ...tensor import ShardSpec, ShardedModule, get_spec, sharded_parameter
 from ..functional import tag_vocab_parallel
 
 Init = Callable[[torch.Tensor], object]
@@ -195,7 +195,8 @@ class VocabParallelClassifier1D(ShardedModule):
 
     def __init__(self, in_features: int, num_classes: int, bias: bool = False,
                  weight: Optional[nn.Parameter] = None, axis: Optional[ProcessGroupAxis] = None,
-                 weight_init: Optional[Init] = None, dtype: Optional[torch.dtype] = None):
+                 weight_init: Optional[Init] = None, bias_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.axis = axis or default_axis()
         _check(num_classes, self.axis.size, 'VocabParallelClassifier num_classes')
@@ -203,7 +204,7 @@ class VocabParallelClassifier1D(ShardedModule):
         spec = ShardSpec.of((0, self.axis))
         self.weight = _tied_or_new(weight, (num_classes, in_features), spec,
                                    weight_init or linear_weight_init(in_features), dtype)
-        self.bias = sharded_parameter((num_classes,), spec, linear_bias_init(in_features),
+        self.bias = sharded_parameter((num_classes,), spec, bias_init or linear_bias_init(in_features),
                                       dtype) if bias else None
 
     def forward(self, x):
@@ -221,15 +222,16 @@ class Classifier1D(ShardedModule):
 
     def __init__(self, in_features: int, num_classes: int, bias: bool = True,
                  weight: Optional[nn.Parameter] = None, axis: Optional[ProcessGroupAxis] = None,
-                 weight_init: Optional[Init] = None, dtype: Optional[torch.dtype] = None):
+                 weight_init: Optional[Init] = None, bias_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.axis = axis or default_axis()
         _check(in_features, self.axis.size, 'Classifier in_features (1D row split)')
         self.in_features, self.num_classes = in_features, num_classes
         self.weight = _tied_or_new(weight, (num_classes, in_features), ShardSpec.of((1, self.axis)),
                                    weight_init or linear_weight_init(in_features), dtype)
-        self.bias = sharded_parameter((num_classes,), ShardSpec(), linear_bias_init(in_features),
-                                      dtype) if bias else None
+        self.bias = sharded_parameter((num_classes,), ShardSpec(),
+                                      bias_init or linear_bias_init(in_features), dtype) if bias else None
 
     def forward(self, x):
         y = reduce_from(F.linear(split_to(x, self.axis, -1), self.weight), self.axis)

@@ -90,3 +90,8 @@ def gather_logits_1d(logits: torch.Tensor) -> torch.Tensor:
     """Full logits ``[.., C]`` from vocab-split ones (all_gather); others unchanged."""
     axis = vocab_axis_of(logits)
     return C.all_gather(logits, axis, dim=-1) if axis is not None else logits
+
+
+def first_token_1d(x: torch.Tensor) -> torch.Tensor:
+    """``x[:, 0]``: activations are replicated, no communication."""
+    return x[:, 0]

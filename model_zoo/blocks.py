@@ -1,0 +1,100 @@
+"""Transformer building blocks written only with colossal_lite.nn facades.
+
+Each block reads like the single-device model; the facades decide, from the
+launched tensor mode, how weights and activations are split.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+import colossal_lite.nn as col_nn
+
+
+def normal_init(std: float = 0.02) -> Callable[[torch.Tensor], object]:
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+
+def zeros_init(b: torch.Tensor):
+    return nn.init.zeros_(b)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention: q, k, v projections open a parallel region, out closes it."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float, causal: bool, init_std: float):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f'hidden size {hidden} must be divisible by the number of heads {heads}')
+        kw = dict(region='enter', weight_init=normal_init(init_std), bias_init=zeros_init)
+        self.query = col_nn.Linear(hidden, hidden, **kw)
+        self.key = col_nn.Linear(hidden, hidden, **kw)
+        self.value = col_nn.Linear(hidden, hidden, **kw)
+        self.core = col_nn.AttentionCore(hidden // heads, causal=causal, dropout=dropout)
+        self.dense = col_nn.Linear(hidden, hidden, region='exit', weight_init=normal_init(init_std),
+                                   bias_init=zeros_init)
+
+    def forward(self, x, key_padding_mask=None):
+        ctx = self.core(self.query(x), self.key(x), self.value(x), key_padding_mask)
+        return self.dense(ctx)
+
+
+class MLP(nn.Module):
+    """fc1 (h -> ratio*h, opens the region), GELU, fc2 (closes it)."""
+
+    def __init__(self, hidden: int, ratio: int, gelu_approximate: str, init_std: float):
+        super().__init__()
+        self.fc1 = col_nn.Linear(hidden, ratio * hidden, region='enter',
+                                 weight_init=normal_init(init_std), bias_init=zeros_init)
+        self.act = nn.GELU(approximate=gelu_approximate)
+        self.fc2 = col_nn.Linear(ratio * hidden, hidden, region='exit',
+                                 weight_init=normal_init(init_std), bias_init=zeros_init)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN (GPT, ViT) or post-LN (BERT) block of attention and MLP with residuals.
+
+    ``checkpoint=True`` recomputes the block's activations in backward
+    (colossal_lite.engine.checkpoint), restoring RNG states so dropout masks repeat.
+    """
+
+    def __init__(self, hidden: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
+                 causal: bool = False, pre_ln: bool = True, eps: float = 1e-5,
+                 gelu_approximate: str = 'none', init_std: float = 0.02, checkpoint: bool = False):
+        super().__init__()
+        self.pre_ln, self.checkpoint = pre_ln, checkpoint
+        self.ln1 = col_nn.LayerNorm(hidden, eps=eps)
+        self.attn = SelfAttention(hidden, heads, dropout, causal, init_std)
+        self.ln2 = col_nn.LayerNorm(hidden, eps=eps)
+        self.mlp = MLP(hidden, mlp_ratio, gelu_approximate, init_std)
+        self.drop1 = col_nn.Dropout(dropout)
+        self.drop2 = col_nn.Dropout(dropout)
+
+    def _forward(self, x, key_padding_mask=None):
+        if self.pre_ln:
+            x = x + self.drop1(self.attn(self.ln1(x), key_padding_mask))
+            return x + self.drop2(self.mlp(self.ln2(x)))
+        x = self.ln1(x + self.drop1(self.attn(x, key_padding_mask)))
+        return self.ln2(x + self.drop2(self.mlp(x)))
+
+    def forward(self, x, key_padding_mask=None):
+        if self.checkpoint and self.training and torch.is_grad_enabled():
+            from colossal_lite.engine.checkpoint import checkpoint
+            return checkpoint(self._forward, x, key_padding_mask)
+        return self._forward(x, key_padding_mask)
+
+
+def preset_config(presets: dict, name: str, overrides: dict, family: str) -> dict:
+    if name not in presets:
+        raise ValueError(f"unknown {family} preset '{name}'; presets: {sorted(presets)}")
+    cfg = dict(presets[name])
+    unknown = set(overrides) - set(cfg) - {'checkpoint', 'dtype'}
+    if unknown:
+        raise ValueError(f'unknown {family} options {sorted(unknown)}; options: {sorted(cfg)}')
+    cfg.update(overrides)
+    return cfg

@@ -1,0 +1,71 @@
+"""GPT-2: learned positions, pre-LN blocks, tanh-GELU, LM head tied to the token embedding."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import colossal_lite.nn as col_nn
+
+from .blocks import TransformerLayer, normal_init, preset_config
+
+# vocabularies are padded to a multiple of 128 (50257 -> 50304) so every tensor split divides
+GPT_PRESETS = {
+    'tiny': dict(vocab_size=256, max_positions=64, hidden=32, layers=2, heads=4, dropout=0.0),
+    'gpt2-small': dict(vocab_size=50304, max_positions=1024, hidden=768, layers=12, heads=12, dropout=0.1),
+    'gpt2-medium': dict(vocab_size=50304, max_positions=1024, hidden=1024, layers=24, heads=16, dropout=0.1),
+    'gpt2-large': dict(vocab_size=50304, max_positions=1024, hidden=1280, layers=36, heads=20, dropout=0.1),
+    'gpt2-xl': dict(vocab_size=50304, max_positions=1024, hidden=1600, layers=48, heads=25, dropout=0.1),
+}
+
+
+class GPT(nn.Module):
+    """``GPT(...)(input_ids [b, s]) -> logits`` (vocab-split under tensor parallelism;
+    ``colossal_lite.nn.gather_logits`` gives the full ``[b, s, V]``)."""
+
+    def __init__(self, vocab_size: int, max_positions: int, hidden: int, layers: int, heads: int,
+                 mlp_ratio: int = 4, dropout: float = 0.1, eps: float = 1e-5,
+                 init_std: float = 0.02, checkpoint: bool = False):
+        super().__init__()
+        self.max_positions = max_positions
+        self.wte = col_nn.VocabParallelEmbedding(vocab_size, hidden, weight_init=normal_init(init_std))
+        self.wpe = col_nn.Embedding(max_positions, hidden, weight_init=normal_init(0.01))
+        self.drop = col_nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            TransformerLayer(hidden, heads, mlp_ratio, dropout, causal=True, pre_ln=True, eps=eps,
+                             gelu_approximate='tanh', init_std=init_std, checkpoint=checkpoint)
+            for _ in range(layers))
+        self.ln_f = col_nn.LayerNorm(hidden, eps=eps)
+        self.lm_head = col_nn.VocabParallelClassifier(hidden, vocab_size, bias=False,
+                                                      weight=self.wte.weight)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> 'GPT':
+        return cls(**preset_config(GPT_PRESETS, name, overrides, 'GPT'))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b, s = input_ids.shape
+        if s > self.max_positions:
+            raise ValueError(f'sequence length {s} exceeds max_positions {self.max_positions}')
+        positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        x = self.drop(self.wte(input_ids) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class GPTLMLoss(nn.Module):
+    """Next-token cross entropy, mean over predicted tokens: logits[:, t] predicts labels[:, t+1].
+
+    The shift is applied to the full labels (the last position gets ``ignore_index``), so
+    the logits never move between ranks.
+    """
+
+    def __init__(self, ignore_index: int = -100):
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.loss = col_nn.CrossEntropyLoss(ignore_index=ignore_index)
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shifted = torch.full_like(labels, self.ignore_index)
+        shifted[:, :-1] = labels[:, 1:]
+        return self.loss(logits, shifted)
