@@ -5,7 +5,8 @@ processes, launches each with ``config`` on a free port (gloo), calls
 ``fn(rank, *args)`` and returns the list of return values by rank. A child's
 exception is re-raised in the parent with its traceback; a child that does not
 finish within ``timeout`` seconds makes the call fail, never hang. Results
-travel through a pipe, so return small picklable values (CPU tensors are fine).
+travel through a pipe (serialized with torch.save), so return small values: CPU
+tensors, numbers, dicts and lists of them.
 """
 from __future__ import annotations
 
@@ -27,6 +28,22 @@ class ChildFailed(RuntimeError):
     """A rank raised; the message carries that rank's traceback."""
 
 
+def _to_bytes(obj) -> bytes:
+    # torch.save, not pickle: tensors pickled by a Queue travel as shared-memory handles
+    # tied to the child's lifetime, which can deadlock once the child exits
+    import io
+    import torch
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes):
+    import io
+    import torch
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def _child(rank, world_size, port, config, fn, args, queue, collective_timeout):
     os.environ['OMP_NUM_THREADS'] = '1'
     import torch
@@ -39,7 +56,7 @@ def _child(rank, world_size, port, config, fn, args, queue, collective_timeout):
         launch(cfg, rank=rank, world_size=world_size, host='127.0.0.1', port=port,
                backend='gloo')
         result = fn(rank, *args)
-        queue.put((rank, 'ok', result))
+        queue.put((rank, 'ok', _to_bytes(result)))
     except BaseException:  # report every failure to the parent, then exit
         queue.put((rank, 'error', traceback.format_exc()))
     finally:
@@ -79,7 +96,7 @@ def run_distributed(fn: Callable, world_size: int, config: Optional[dict] = None
                 continue
             if status == 'error':
                 raise ChildFailed(f'rank {rank} of {world_size} raised:\n{payload}')
-            results[rank] = payload
+            results[rank] = _from_bytes(payload)
             pending.discard(rank)
     finally:
         for p in procs:
@@ -89,3 +106,32 @@ def run_distributed(fn: Callable, world_size: int, config: Optional[dict] = None
                 p.kill()
                 p.join(timeout=5)
     return results
+
+
+def full_gradients(model) -> dict:
+    """Every parameter's gradient gathered to the serial (full) shape, keyed like state_dict.
+
+    Collective over the tensor-parallel groups: call on every rank."""
+    from .tensor import gather_full
+    return {name: gather_full(p.grad, p).detach().clone()
+            for name, p in model.named_parameters() if p.grad is not None}
+
+
+def max_rel_diff(actual, expected) -> float:
+    """max |actual - expected| / max(1, max |expected|): the suite's fp32 comparison measure."""
+    import torch
+    actual, expected = torch.as_tensor(actual).float(), torch.as_tensor(expected).float()
+    if actual.shape != expected.shape:
+        raise AssertionError(f'shape {tuple(actual.shape)} != expected {tuple(expected.shape)}')
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    return (actual - expected).abs().max().item() / scale if expected.numel() else 0.0
+
+
+def assert_close_dict(actual: dict, expected: dict, tol: float = 1e-5, what: str = ''):
+    """Same keys, every tensor within ``tol`` (max_rel_diff); the message names the worst key."""
+    missing = set(expected) ^ set(actual)
+    if missing:
+        raise AssertionError(f'{what} keys differ: {sorted(missing)}')
+    worst = max(((max_rel_diff(actual[k], expected[k]), k) for k in expected), default=(0.0, None))
+    if worst[0] > tol:
+        raise AssertionError(f'{what} {worst[1]} differs by {worst[0]:.3g} > {tol}')

@@ -1,0 +1,75 @@
+"""Config validation: every bad config gives a ConfigError naming key, constraint and value."""
+import pytest
+
+from colossal_lite.config import ConfigError, ParallelLayout, load_config, parse_parallel
+
+BAD_CONFIGS = [
+    (dict(paralel=dict(pipeline=2)), "did you mean 'parallel'"),
+    (dict(parallel=dict(pipline=2)), "did you mean 'pipeline'"),
+    (dict(parallel=dict(tensor=dict(size=4, mode='2d', dept=2))), "did you mean 'depth'"),
+    (dict(parallel=dict(tensor=dict(size=3, mode='2d'))), '2D tensor parallelism needs'),
+    (dict(parallel=dict(tensor=dict(size=4, mode='3d'))), "size' = d*d*d, got 4"),
+    (dict(parallel=dict(tensor=dict(size=8, mode='2.5d'))), "needs 'parallel.tensor.depth'"),
+    (dict(parallel=dict(tensor=dict(size=12, mode='2.5d', depth=2))), 'got size=12, depth=2'),
+    (dict(parallel=dict(tensor=dict(size=4, mode='2d', depth=2))), "applies only to mode '2.5d'"),
+    (dict(parallel=dict(tensor=dict(size=4, mode='4d'))), "got '4d'"),
+    (dict(parallel=dict(tensor=dict(size=4))), "needs a 'parallel.tensor.mode'"),
+    (dict(parallel=dict(tensor=4)), "must be a dict like"),
+    (dict(parallel=dict(pipeline=0)), "'parallel.pipeline' must be a positive integer, got 0"),
+    (dict(parallel=dict(pipeline=1.5)), 'got 1.5'),
+    (dict(parallel=dict(sequence=2, tensor=dict(size=2, mode='1d'))), 'cannot be combined'),
+    (dict(fp16=dict(mode='fp8')), "'fp16.mode' must be one of"),
+    (dict(fp16=dict(mode='naive', backoff_factor=2.0)), 'must be in (0, 1), got 2.0'),
+    (dict(gradient_accumulation=0), "'gradient_accumulation' must be a positive integer, got 0"),
+    (dict(clip_grad_norm=-1.0), "'clip_grad_norm' must be a positive finite number, got -1.0"),
+    (dict(num_microbatches='4'), "got '4'"),
+    (dict(seed='abc'), "'seed' must be an integer"),
+    (dict(backend='mpi'), "'backend' must be 'gloo' or 'nccl'"),
+]
+
+
+@pytest.mark.parametrize('config, message', BAD_CONFIGS)
+def test_bad_config_is_a_clear_error(config, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    assert message in str(info.value)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize('world, layout, message', [
+    (6, dict(tensor=dict(size=4, mode='1d')), 'world size must be divisible by pipeline*tensor = 1*4 = 4, got world size 6'),
+    (8, dict(pipeline=3), 'got world size 8'),
+    (8, dict(data=2, tensor=dict(size=2, mode='1d')), "'parallel.data' = 2 disagrees with world size 8"),
+])
+def test_world_size_must_fit_the_layout(world, layout, message):
+    with pytest.raises(ConfigError) as info:
+        parse_parallel(layout).with_world_size(world)
+    assert message in str(info.value)
+
+
+def test_data_parallel_degree_is_derived():
+    layout = parse_parallel(dict(pipeline=2, tensor=dict(size=8, mode='2.5d', depth=2))).with_world_size(32)
+    assert layout == ParallelLayout(pipeline=2, tensor=8, mode='2.5d', depth=2, data=2)
+    assert layout.tensor_grid == 2
+    assert parse_parallel(dict(tensor=dict(size=27, mode='3d'))).tensor_grid == 3
+
+
+def test_user_constants_pass_and_attribute_access(tmp_path):
+    path = tmp_path / 'cfg.py'
+    path.write_text("BATCH_SIZE = 8\nparallel = dict(tensor=dict(size=2, mode='1d'))\n"
+                    "fp16 = dict(mode='torch')\nimport math\n")
+    cfg = load_config(str(path))
+    assert cfg.BATCH_SIZE == 8
+    assert cfg.parallel.tensor.mode == '1d'
+    assert cfg.fp16.mode == 'torch'
+    assert 'math' not in cfg
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match='not found'):
+        load_config(str(tmp_path / 'missing.py'))
+    with pytest.raises(ConfigError, match='must be a .py file'):
+        load_config(str(tmp_path / 'cfg.yaml'))
