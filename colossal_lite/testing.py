@@ -135,3 +135,53 @@ def assert_close_dict(actual: dict, expected: dict, tol: float = 1e-5, what: str
     worst = max(((max_rel_diff(actual[k], expected[k]), k) for k in expected), default=(0.0, None))
     if worst[0] > tol:
         raise AssertionError(f'{what} {worst[1]} differs by {worst[0]:.3g} > {tol}')
+
+
+def _gather_outputs(outputs):
+    from . import nn as col_nn
+    if isinstance(outputs, (tuple, list)):
+        return tuple(_gather_outputs(o) for o in outputs)
+    return col_nn.gather_logits(outputs).detach().clone()
+
+
+def training_trace(model, inputs, labels, loss_fn, steps: int = 3, lr: float = 1e-3,
+                   sync_gradients=None) -> dict:
+    """Run ``steps`` AdamW steps and record what the correctness standard compares.
+
+    Works unchanged for a serial model (no launch) and a parallel one (every rank):
+    returns the first step's gathered outputs and full gradients, every step's loss, and
+    the full state dict after the last step. ``inputs`` is a tuple of positional model
+    arguments; ``loss_fn(outputs, labels)``; ``sync_gradients(model)`` runs after each
+    backward (e.g. the data-parallel all-reduce). AdamW's eps is 1e-6: gradients that are
+    zero in exact arithmetic (attention key biases) carry ~1e-10 rounding noise, which
+    eps=1e-8 would amplify into visible parameter differences.
+    """
+    import torch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6, weight_decay=0.01)
+    trace = {'losses': []}
+    for step in range(steps):
+        optimizer.zero_grad()
+        outputs = model(*inputs)
+        loss = loss_fn(outputs, labels)
+        loss.backward()
+        if sync_gradients is not None:
+            sync_gradients(model)
+        if step == 0:
+            trace['outputs'] = _gather_outputs(outputs)
+            trace['grads'] = full_gradients(model)
+        trace['losses'].append(loss.detach().clone())
+        optimizer.step()
+    trace['state'] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return trace
+
+
+def assert_traces_match(actual: dict, expected: dict, tol: float = 1e-5):
+    """Losses, outputs, gradients and final parameters of two training traces agree."""
+    assert_close_dict(dict(enumerate(actual['losses'])), dict(enumerate(expected['losses'])),
+                      tol, 'loss at step')
+    outs_a, outs_e = actual['outputs'], expected['outputs']
+    if not isinstance(outs_e, tuple):
+        outs_a, outs_e = (outs_a,), (outs_e,)
+    assert_close_dict(dict(enumerate(outs_a)), dict(enumerate(outs_e)), tol, 'output')
+    assert_close_dict(actual['grads'], expected['grads'], tol, 'gradient of')
+    assert_close_dict(actual['state'], expected['state'], tol, 'parameter after steps:')

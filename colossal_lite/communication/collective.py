@@ -3,7 +3,8 @@
 Every function takes ``axis``: a :class:`ParallelMode` (resolved through the
 global context) or a :class:`ProcessGroupAxis`. On a group of one rank each is
 the identity and communicates nothing. ``async_op=True`` returns a
-:class:`Pending` whose ``wait()`` gives the result.
+:class:`Pending` whose ``wait()`` gives the result. These are not autograd-aware
+(inputs are detached); ``mappings.py`` wraps them in conjugate autograd pairs.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def all_reduce(tensor: torch.Tensor, axis: AxisLike, op=dist.ReduceOp.SUM,
     ax = resolve(axis)
     if ax.size == 1:
         return _done(tensor, async_op)
-    out = tensor if inplace else tensor.contiguous().clone()
+    out = tensor if inplace else tensor.detach().contiguous().clone()
     record(ax.mode, 'all_reduce', _nbytes(out), ax.size)
     work = dist.all_reduce(out, op=op, group=ax.group, async_op=async_op)
     return _run(work, lambda: out, async_op)
@@ -82,7 +83,7 @@ def all_gather(tensor: torch.Tensor, axis: AxisLike, dim: int = 0, async_op: boo
     if ax.size == 1:
         return _done(tensor, async_op)
     dim = dim % tensor.dim()
-    inp = tensor.contiguous()
+    inp = tensor.detach().contiguous()
     buf = torch.empty((ax.size * inp.shape[0],) + tuple(inp.shape[1:]), dtype=inp.dtype,
                       device=inp.device)
     record(ax.mode, 'all_gather', _nbytes(buf), ax.size)
@@ -105,6 +106,7 @@ def reduce_scatter(tensor: torch.Tensor, axis: AxisLike, dim: int = 0, op=dist.R
     check_divisible(tensor.shape[dim], ax.size, f'reduce_scatter dimension {dim}')
     out_shape = list(tensor.shape)
     out_shape[dim] //= ax.size
+    tensor = tensor.detach()
     if dim == 0:
         inp = tensor.contiguous()
     else:  # bring the chunks of ``dim`` to the front: [p * chunk0, ...]
@@ -121,7 +123,7 @@ def broadcast(tensor: torch.Tensor, axis: AxisLike, src: int = 0, async_op: bool
     ax = resolve(axis)
     if ax.size == 1:
         return _done(tensor, async_op)
-    out = tensor if inplace else tensor.contiguous().clone()
+    out = tensor if inplace else tensor.detach().contiguous().clone()
     record(ax.mode, 'broadcast', _nbytes(out), ax.size)
     work = dist.broadcast(out, src=ax.global_rank(src), group=ax.group, async_op=async_op)
     return _run(work, lambda: out, async_op)
@@ -133,7 +135,7 @@ def reduce(tensor: torch.Tensor, axis: AxisLike, dst: int = 0, op=dist.ReduceOp.
     ax = resolve(axis)
     if ax.size == 1:
         return _done(tensor, async_op)
-    out = tensor.contiguous().clone()
+    out = tensor.detach().contiguous().clone()
     record(ax.mode, 'reduce', _nbytes(out), ax.size)
     work = dist.reduce(out, dst=ax.global_rank(dst), op=op, group=ax.group, async_op=async_op)
     return _run(work, lambda: out, async_op)
@@ -146,7 +148,7 @@ def all_to_all(tensor: torch.Tensor, axis: AxisLike, scatter_dim: int, gather_di
     if ax.size == 1:
         return _done(tensor, async_op)
     check_divisible(tensor.shape[scatter_dim], ax.size, f'all_to_all dimension {scatter_dim}')
-    inputs = [c.contiguous() for c in tensor.chunk(ax.size, dim=scatter_dim)]
+    inputs = [c.detach().contiguous() for c in tensor.chunk(ax.size, dim=scatter_dim)]
     outputs = [torch.empty_like(c) for c in inputs]
     record(ax.mode, 'all_to_all', _nbytes(tensor), ax.size)
     work = dist.all_to_all(outputs, inputs, group=ax.group, async_op=async_op)

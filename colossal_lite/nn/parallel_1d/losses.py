@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...communication import collective as C
+from ...communication import gather_from
 from ...context import ParallelMode, ProcessGroupAxis, seed
 from ..functional import attention, vocab_axis_of, vocab_parallel_cross_entropy
 from .layers import default_axis
@@ -87,9 +87,10 @@ class AttentionCore1D(nn.Module):
 
 
 def gather_logits_1d(logits: torch.Tensor) -> torch.Tensor:
-    """Full logits ``[.., C]`` from vocab-split ones (all_gather); others unchanged."""
+    """Full logits ``[.., C]`` from vocab-split ones (all_gather; differentiable: backward
+    keeps this rank's chunk of the gradient); others unchanged."""
     axis = vocab_axis_of(logits)
-    return C.all_gather(logits, axis, dim=-1) if axis is not None else logits
+    return gather_from(logits, axis, -1) if axis is not None else logits
 
 
 def first_token_1d(x: torch.Tensor) -> torch.Tensor:
