@@ -53,6 +53,16 @@ class SeedManager:
         self._seeds.clear()
         self._active = None
 
+    def get_states(self) -> Dict[ParallelMode, tuple]:
+        """A snapshot of every mode's saved RNG state (for activation checkpointing)."""
+        return dict(self._states)
+
+    def set_states(self, states: Dict[ParallelMode, tuple]):
+        """Restore a snapshot taken by :meth:`get_states` (modes not in it are kept)."""
+        if self._active is not None:
+            raise RuntimeError(f'cannot restore RNG states while seed({self._active}) is active')
+        self._states.update(states)
+
     @contextlib.contextmanager
     def seed(self, mode: ParallelMode):
         if mode not in self._states:

@@ -1,4 +1,12 @@
-"""Engine, gradient handling and schedules."""
-from .gradient_handler import allreduce_gradients, data_parallel_axis
+"""Engine, gradient handling (bucketed data-parallel all-reduce, clipping), checkpointing,
+and the non-pipeline schedule."""
+from .checkpoint import checkpoint
+from .clip import clip_grad_norm, grad_norm
+from .engine import Engine
+from .gradient_handler import (GradientReducer, allreduce_gradients, broadcast_parameters,
+                               data_parallel_axis)
+from .schedule import NonPipelineSchedule
 
-__all__ = ['allreduce_gradients', 'data_parallel_axis']
+__all__ = ['Engine', 'GradientReducer', 'NonPipelineSchedule', 'allreduce_gradients',
+           'broadcast_parameters', 'checkpoint', 'clip_grad_norm', 'data_parallel_axis',
+           'grad_norm']

@@ -61,3 +61,110 @@ def allreduce_gradients(parameters: Iterable[torch.nn.Parameter],
         flat.mul_(scale)
         for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             grad.copy_(synced)
+
+
+def broadcast_parameters(module: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """Copy local rank 0's parameters and buffers to every data-parallel replica.
+
+    One broadcast per same-dtype bucket over :func:`data_parallel_axis` (sharded
+    parameters are broadcast shard by shard: the group only varies replicas)."""
+    axis = data_parallel_axis()
+    if axis.size == 1:
+        return
+    seen, tensors = set(), []
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            tensors.append(t.data)
+    with torch.no_grad():
+        for bucket in buckets(tensors, bucket_bytes):
+            flat = C.broadcast(_flatten_dense_tensors(bucket), axis, src=0, inplace=True)
+            for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                t.copy_(synced)
+
+
+class GradientReducer:
+    """Bucketed data-parallel gradient all-reduce that overlaps backward.
+
+    Same result as :func:`allreduce_gradients` (``g <- sum_axis(g) / data_size``).
+    Parameters are bucketed in reverse registration order (roughly the order
+    backward produces their gradients), ``bucket_bytes`` per bucket and one
+    dtype each. With ``overlap=True`` a post-accumulate-grad hook marks each
+    parameter ready; once every parameter of a bucket is ready its gradients are
+    flattened and an async all_reduce starts while backward goes on.
+    :meth:`synchronize` (before the optimizer step) starts the buckets that never
+    filled, in bucket order, waits for all of them, scales and copies back.
+
+    Gradient accumulation: :meth:`prepare` ``(sync=False)`` before a micro-step's
+    backward disarms the hooks, so nothing is communicated until the last
+    micro-step. A parameter whose gradient changes after its bucket started
+    (a weight used again later in backward) marks the bucket stale; it is
+    reduced again synchronously. Parameters without a gradient contribute zeros
+    and keep ``grad = None``.
+    """
+
+    def __init__(self, parameters: Iterable[torch.nn.Parameter],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
+        self.axis = data_parallel_axis()
+        self.scale = 1.0 / gpc.get_world_size(ParallelMode.DATA)
+        seen, params = set(), []
+        for p in parameters:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        self.buckets = buckets(params[::-1], bucket_bytes)
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.overlap = overlap and self.axis.size > 1
+        self._handles = []
+        if self.overlap:
+            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._armed = False
+        self._reset()
+
+    def _reset(self):
+        self._ready = [set() for _ in self.buckets]
+        self._pending = {}
+        self._stale = set()
+
+    def prepare(self, sync: bool):
+        """Call before backward: ``sync`` says whether this backward ends an accumulation."""
+        self._armed = sync and self.overlap
+        self._reset()
+
+    def _on_grad(self, param):
+        if not self._armed:
+            return
+        index = self._bucket_of[id(param)]
+        if index in self._pending:
+            self._stale.add(index)
+            return
+        self._ready[index].add(id(param))
+        if len(self._ready[index]) == len(self.buckets[index]):
+            self._launch(index)
+
+    def _launch(self, index: int):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[index]]
+        flat = _flatten_dense_tensors(grads)
+        self._pending[index] = C.all_reduce(flat, self.axis, async_op=True, inplace=True)
+
+    def synchronize(self):
+        """Finish the all-reduce of every bucket (see class docstring); once per optimizer step."""
+        if self.axis.size == 1:
+            return
+        for index in range(len(self.buckets)):
+            if index in self._stale:
+                self._pending.pop(index).wait()
+            if index not in self._pending:
+                self._launch(index)
+        for index, bucket in enumerate(self.buckets):
+            flat = self._pending[index].wait().mul_(self.scale)
+            for p, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                if p.grad is not None:
+                    p.grad.copy_(synced)
+        self._armed = False
+        self._reset()
+
+    def remove_hooks(self):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,74 @@
+"""Gradient-norm clipping whose norm is the serial model's norm in every layout.
+
+For gradients g_p of the (deduplicated) parameters, the serial norm is
+``||g|| = sqrt(sum_p ||G_p||^2)`` with G_p the full (unsharded) gradient. Each
+parameter carries a :class:`~colossal_lite.tensor.ShardSpec`; its full squared
+norm is the sum of the local squared norms over the groups its spec shards it
+over. So, per rank:
+
+* replicated parameters (empty spec): ``s_rep = sum ||g_p||^2`` locally -- every
+  replica holds the same value, so it is counted once, never summed over a group;
+* sharded parameters, grouped by the tuple of their spec's groups ``(A_1..A_k)``:
+  ``s_A = all_reduce_{A_k}( ... all_reduce_{A_1}(sum ||g_p||^2))``, one scalar
+  all_reduce per group of the tuple.
+
+``norm = sqrt(s_rep + sum_A s_A)`` is then identical on every rank. Clipping
+multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))`` (torch's rule).
+Call after the data-parallel gradient synchronization.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+from ..communication import collective as C
+from ..context import global_context as gpc
+from ..tensor import get_spec
+
+
+def unique_parameters(parameters: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """Parameters in order with duplicates (tied weights) removed."""
+    seen, out = set(), []
+    for p in parameters:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
+    """The 2-norm of the full gradient of the serial model (see module docstring)."""
+    replicated = torch.zeros((), dtype=torch.float32)
+    sharded: Dict[Tuple[str, ...], Tuple[list, List[torch.Tensor]]] = {}
+    for p in unique_parameters(parameters):
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().float().pow(2).sum().cpu()
+        axes = [s.axis for s in get_spec(p).shards]
+        if not axes:
+            replicated = replicated + sq
+            continue
+        key = tuple(a.mode.value for a in axes)
+        sharded.setdefault(key, (axes, []))[1].append(sq)
+    total = replicated
+    for key in sorted(sharded):  # the same order of collectives on every rank
+        axes, squares = sharded[key]
+        partial = torch.stack(squares).sum().to(gpc.device)
+        for axis in axes:
+            partial = C.all_reduce(partial, axis)
+        total = total + partial.cpu()
+    return math.sqrt(total.item())
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Scale gradients so their serial-model 2-norm is at most ``max_norm``; returns the norm
+    before clipping."""
+    params = [p for p in unique_parameters(parameters) if p.grad is not None]
+    norm = grad_norm(params)
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            p.grad.detach().mul_(coef)
+    return norm

@@ -1,0 +1,334 @@
+"""Trainer hooks: called at before/after train, epoch, train iteration and test points.
+
+The Trainer sorts hooks by ascending ``priority`` (ties keep the given order).
+Metric hooks (priority 0) fill ``trainer.metrics``; the LR scheduler (1) steps
+after them; loggers, checkpointing and TensorBoard (10) read the metrics last.
+Hooks that reduce a metric across ranks issue the same collectives on every rank,
+so every rank must be given the same hooks.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import time
+from typing import Callable, Optional
+
+import torch
+
+from ..communication import collective as C
+from ..context import ParallelMode, global_context as gpc
+from ..tensor import get_spec
+
+METRIC_PRIORITY, SCHEDULER_PRIORITY, OUTPUT_PRIORITY = 0, 1, 10
+
+
+def _is_rank0() -> bool:
+    return gpc.get_global_rank() == 0
+
+
+def _data_sum(values) -> torch.Tensor:
+    """Sum ``values`` (a list of floats) over the DATA group (replicas)."""
+    return C.all_reduce(torch.tensor(values, dtype=torch.float64, device=gpc.device),
+                        ParallelMode.DATA).cpu()
+
+
+class BaseHook:
+    """A no-op at every point; subclasses override what they need."""
+
+    priority = OUTPUT_PRIORITY
+
+    def __init__(self, priority: Optional[int] = None):
+        if priority is not None:
+            self.priority = priority
+
+    def before_train(self, trainer): pass
+    def after_train(self, trainer): pass
+    def before_epoch(self, trainer): pass
+    def after_epoch(self, trainer): pass
+    def before_train_iter(self, trainer): pass
+    def after_train_iter(self, trainer, output, label, loss): pass
+    def before_test(self, trainer): pass
+    def after_test(self, trainer): pass
+    def before_test_iter(self, trainer): pass
+    def after_test_iter(self, trainer, output, label, loss): pass
+
+
+class LossHook(BaseHook):
+    """``loss``: this step's loss averaged over data-parallel replicas; ``epoch_loss`` and
+    ``test_loss``: means over the epoch's steps / the test batches. One DATA all_reduce each."""
+
+    priority = METRIC_PRIORITY
+
+    def before_epoch(self, trainer):
+        self._sum, self._n = 0.0, 0
+
+    def after_train_iter(self, trainer, output, label, loss):
+        value = _data_sum([loss.item()]).item() / gpc.get_world_size(ParallelMode.DATA)
+        trainer.metrics['loss'] = value
+        self._sum, self._n = self._sum + value, self._n + 1
+
+    def after_epoch(self, trainer):
+        if self._n:
+            trainer.metrics['epoch_loss'] = self._sum / self._n
+
+    def before_test(self, trainer):
+        self._test = [0.0, 0.0]
+
+    def after_test_iter(self, trainer, output, label, loss):
+        self._test[0] += loss.item()
+        self._test[1] += 1
+
+    def after_test(self, trainer):
+        total, count = _data_sum(self._test).tolist()
+        trainer.metrics['test_loss'] = total / max(count, 1.0)
+
+
+def default_accuracy(output, label):
+    """(correct, counted) for class logits ``[.., C]`` (possibly vocab-split) against labels;
+    labels equal to -100 are not counted. Tuples use their first element."""
+    from ..nn import gather_logits
+    logits = output[0] if isinstance(output, (tuple, list)) else output
+    labels = label[0] if isinstance(label, (tuple, list)) else label
+    predicted = gather_logits(logits).argmax(dim=-1)
+    counted = labels != -100
+    return ((predicted == labels) & counted).sum().item(), counted.sum().item()
+
+
+class AccuracyHook(BaseHook):
+    """``test_accuracy``: correct / counted over the test set and all replicas.
+    ``accuracy_fn(output, label) -> (correct, counted)`` (default: argmax of class logits)."""
+
+    priority = METRIC_PRIORITY
+
+    def __init__(self, accuracy_fn: Callable = default_accuracy, priority: Optional[int] = None):
+        super().__init__(priority)
+        self.accuracy_fn = accuracy_fn
+
+    def before_test(self, trainer):
+        self._counts = [0.0, 0.0]
+
+    def after_test_iter(self, trainer, output, label, loss):
+        correct, counted = self.accuracy_fn(output, label)
+        self._counts[0] += correct
+        self._counts[1] += counted
+
+    def after_test(self, trainer):
+        correct, counted = _data_sum(self._counts).tolist()
+        trainer.metrics['test_accuracy'] = correct / max(counted, 1.0)
+
+
+class LRSchedulerHook(BaseHook):
+    """Steps ``lr_scheduler`` after every optimizer step (or epoch with ``by_epoch``); ``lr``."""
+
+    priority = SCHEDULER_PRIORITY
+
+    def __init__(self, lr_scheduler, by_epoch: bool = False, priority: Optional[int] = None):
+        super().__init__(priority)
+        self.lr_scheduler, self.by_epoch = lr_scheduler, by_epoch
+
+    def _step(self, trainer):
+        self.lr_scheduler.step()
+        trainer.metrics['lr'] = trainer.engine.optimizer.param_groups[0]['lr']
+
+    def after_train_iter(self, trainer, output, label, loss):
+        if not self.by_epoch:
+            self._step(trainer)
+
+    def after_epoch(self, trainer):
+        if self.by_epoch:
+            self._step(trainer)
+
+
+def full_parameter_count(model: torch.nn.Module) -> int:
+    """Parameters of the serial model: local numel times the shard-group sizes, tied once."""
+    total = 0
+    for p in model.parameters():
+        total += p.numel() * math.prod(s.axis.size for s in get_spec(p).shards)
+    return total
+
+
+def _sync_device():
+    if gpc.device.type == 'cuda':
+        torch.cuda.synchronize()
+
+
+class ThroughputHook(BaseHook):
+    """After ``warmup`` steps: ``samples_per_s`` and ``tokens_per_s`` (global: local counts x
+    data-parallel size / step time), ``tflops`` = 6 * parameters * tokens/s / 1e12 (the
+    forward+backward estimate), ``step_time_s`` (mean)."""
+
+    priority = METRIC_PRIORITY
+
+    def __init__(self, warmup: int = 1, priority: Optional[int] = None):
+        super().__init__(priority)
+        self.warmup = warmup
+
+    def before_train(self, trainer):
+        self._params = full_parameter_count(trainer.engine.model)
+        self._time = self._samples = self._tokens = 0.0
+        self._steps = 0
+
+    def before_train_iter(self, trainer):
+        _sync_device()
+        self._start = time.perf_counter()
+
+    def after_train_iter(self, trainer, output, label, loss):
+        _sync_device()
+        elapsed = time.perf_counter() - self._start
+        self._steps += 1
+        if self._steps <= self.warmup:
+            return
+        replicas = gpc.get_world_size(ParallelMode.DATA)
+        self._time += elapsed
+        self._samples += trainer.step_samples * replicas
+        self._tokens += trainer.step_tokens * replicas
+        measured = self._steps - self.warmup
+        trainer.metrics.update(samples_per_s=self._samples / self._time,
+                               tokens_per_s=self._tokens / self._time,
+                               tflops=6 * self._params * self._tokens / self._time / 1e12,
+                               step_time_s=self._time / measured)
+
+
+def peak_memory_mb() -> float:
+    """This process's peak: max allocated CUDA memory on GPU runs, peak RSS on CPU (MiB)."""
+    if gpc.device.type == 'cuda':
+        return torch.cuda.max_memory_allocated(gpc.device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class MemoryHook(BaseHook):
+    """``peak_memory_mb``: list of every rank's peak (all_gather over GLOBAL) after each
+    epoch and test, and every ``interval`` steps when given."""
+
+    priority = METRIC_PRIORITY
+
+    def __init__(self, interval: Optional[int] = None, priority: Optional[int] = None):
+        super().__init__(priority)
+        self.interval = interval
+
+    def _record(self, trainer):
+        mine = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=gpc.device)
+        trainer.metrics['peak_memory_mb'] = C.all_gather(mine, ParallelMode.GLOBAL).cpu().tolist()
+
+    def after_train_iter(self, trainer, output, label, loss):
+        if self.interval and trainer.cur_step % self.interval == 0:
+            self._record(trainer)
+
+    def after_epoch(self, trainer):
+        self._record(trainer)
+
+    def after_test(self, trainer):
+        self._record(trainer)
+
+
+def _scalars(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def _format(metrics: dict) -> str:
+    parts = []
+    for k, v in metrics.items():
+        if isinstance(v, float):
+            parts.append(f'{k}={v:.4g}')
+        elif isinstance(v, list):
+            parts.append(f"{k}=[{', '.join(f'{x:.0f}' for x in v)}]")
+        else:
+            parts.append(f'{k}={v}')
+    return ' '.join(parts)
+
+
+class LogMetricByStepHook(BaseHook):
+    """Every ``interval`` steps: append ``{step, epoch, **metrics}`` to ``trainer.history`` and
+    print it on rank 0 with ``printer``."""
+
+    def __init__(self, interval: int = 1, printer: Callable[[str], object] = print,
+                 priority: Optional[int] = None):
+        super().__init__(priority)
+        self.interval, self.printer = interval, printer
+
+    def after_train_iter(self, trainer, output, label, loss):
+        if trainer.cur_step % self.interval:
+            return
+        record = dict(step=trainer.cur_step, epoch=trainer.cur_epoch, **trainer.metrics)
+        trainer.history.append(record)
+        if _is_rank0():
+            self.printer(_format(record))
+
+
+class LogMetricByEpochHook(BaseHook):
+    """After every epoch and test: print the metrics on rank 0."""
+
+    def __init__(self, printer: Callable[[str], object] = print, priority: Optional[int] = None):
+        super().__init__(priority)
+        self.printer = printer
+
+    def after_epoch(self, trainer):
+        if _is_rank0():
+            self.printer(f'epoch {trainer.cur_epoch} ' + _format(trainer.metrics))
+
+    def after_test(self, trainer):
+        if _is_rank0():
+            self.printer(f'test (epoch {trainer.cur_epoch}) ' + _format(trainer.metrics))
+
+
+class SaveCheckpointHook(BaseHook):
+    """Every ``interval`` epochs (or steps with ``by_step``): the full model state dict (serial
+    keys; every rank joins the gathers), step counters and the LR scheduler's state; rank 0
+    writes ``path`` (``{epoch}``/``{step}`` are filled in) with ``torch.save``."""
+
+    def __init__(self, path: str, interval: int = 1, by_step: bool = False, lr_scheduler=None,
+                 priority: Optional[int] = None):
+        super().__init__(priority)
+        self.path, self.interval, self.by_step, self.lr_scheduler = path, interval, by_step, lr_scheduler
+
+    def _save(self, trainer):
+        state = trainer.engine.state_dict()
+        state.update(epoch=trainer.cur_epoch, step=trainer.cur_step)
+        if self.lr_scheduler is not None:
+            state['lr_scheduler'] = self.lr_scheduler.state_dict()
+        if _is_rank0():
+            torch.save(state, self.path.format(epoch=trainer.cur_epoch, step=trainer.cur_step))
+
+    def after_train_iter(self, trainer, output, label, loss):
+        if self.by_step and trainer.cur_step % self.interval == 0:
+            self._save(trainer)
+
+    def after_epoch(self, trainer):
+        if not self.by_step and (trainer.cur_epoch + 1) % self.interval == 0:
+            self._save(trainer)
+
+
+class TensorBoardHook(BaseHook):
+    """Scalar metrics to TensorBoard on rank 0 after every step and test; needs tensorboard."""
+
+    def __init__(self, log_dir: str, priority: Optional[int] = None):
+        super().__init__(priority)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ImportError('TensorBoardHook needs the tensorboard package '
+                              '(pip install tensorboard)') from err
+        self.writer = SummaryWriter(log_dir) if _is_rank0() else None
+
+    def _write(self, trainer, prefix: str):
+        if self.writer is not None:
+            for key, value in _scalars(trainer.metrics).items():
+                self.writer.add_scalar(f'{prefix}/{key}', value, trainer.cur_step)
+
+    def after_train_iter(self, trainer, output, label, loss):
+        self._write(trainer, 'train')
+
+    def after_test(self, trainer):
+        self._write(trainer, 'test')
+
+    def after_train(self, trainer):
+        if self.writer is not None:
+            self.writer.flush()
+
+
+def tensorboard_available() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True

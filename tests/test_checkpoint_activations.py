@@ -1,0 +1,81 @@
+"""Activation checkpointing: checkpointed and plain blocks give equal losses and gradients,
+with dropout > 0, serially and under dp=2 x tp=2 (where attention dropout draws from the
+TENSOR stream of seed_manager)."""
+from __future__ import annotations
+
+import torch
+
+from colossal_lite.engine.checkpoint import capture_rng_state, checkpoint, restore_rng_state
+from colossal_lite.testing import full_gradients, max_rel_diff, run_distributed
+from tests._engine_cases import FAMILIES, build, global_batch, replica_batch, serial_loss
+
+DROPOUT = 0.2
+
+
+def _loss_and_grads(model, family, batch):
+    model.zero_grad(set_to_none=True)
+    loss = serial_loss(model, family, batch)
+    loss.backward()
+    return loss.detach(), full_gradients(model)
+
+
+def _compare_family(family, init, batch):
+    """Worst differences plain vs checkpointed (same RNG start), and plain vs plain with
+    another RNG start (must differ: proves dropout is active)."""
+    plain, ckpt = build(family, dropout=DROPOUT), build(family, dropout=DROPOUT, checkpoint=True)
+    plain.load_state_dict(init)
+    ckpt.load_state_dict(init)
+    start = capture_rng_state()
+    loss_p, grads_p = _loss_and_grads(plain, family, batch)
+    restore_rng_state(start)
+    loss_c, grads_c = _loss_and_grads(ckpt, family, batch)
+    after_ckpt = torch.rand(4)             # the stream continues as after a plain run
+    restore_rng_state(start)
+    _loss_and_grads(plain, family, batch)
+    after_plain = torch.rand(4)
+    _, grads_other = _loss_and_grads(plain, family, batch)   # different dropout masks
+    return {'loss': max_rel_diff(loss_c, loss_p),
+            'grads': max(max_rel_diff(grads_c[k], grads_p[k]) for k in grads_p),
+            'rng_after': max_rel_diff(after_ckpt, after_plain),
+            'other_masks': max(max_rel_diff(grads_other[k], grads_p[k]) for k in grads_p)}
+
+
+def _check(results):
+    for family, r in results.items():
+        assert r['loss'] <= 1e-6 and r['grads'] <= 1e-6, (family, r)
+        assert r['rng_after'] == 0.0, (family, r)
+        assert r['other_masks'] > 1e-4, f'{family}: dropout had no effect: {r}'
+
+
+def _init(family):
+    torch.manual_seed(11)
+    return build(family, dropout=DROPOUT).state_dict()
+
+
+def test_checkpoint_equals_plain_serial():
+    _check({f: _compare_family(f, _init(f), global_batch(f, batch=4)) for f in FAMILIES})
+
+
+def _tp_worker(rank, inits, batches):
+    return {f: _compare_family(f, inits[f], replica_batch(batches[f])) for f in FAMILIES}
+
+
+def test_checkpoint_equals_plain_dp2_tp2():
+    inits = {f: _init(f) for f in FAMILIES}
+    batches = {f: global_batch(f) for f in FAMILIES}
+    config = dict(parallel=dict(tensor=dict(size=2, mode='1d')))
+    for results in run_distributed(_tp_worker, 4, config, inits, batches, timeout=300):
+        _check(results)
+
+
+def test_checkpoint_function_without_grad_inputs_and_in_eval():
+    """Parameters get gradients even when no input requires grad; no_grad runs plainly."""
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    checkpoint(lambda t, none: lin(t).relu(), x, None).sum().backward()
+    expected_w = lin.weight.grad.clone()
+    lin.weight.grad = None
+    lin(x).relu().sum().backward()
+    assert max_rel_diff(expected_w, lin.weight.grad) <= 1e-7
+    with torch.no_grad():
+        assert checkpoint(lin, x).grad_fn is None

@@ -1,0 +1,131 @@
+"""Trainer and hooks: hooks run in priority order at every point; the metric hooks compute
+what a plain loop computes; a dp=2 run with gradient accumulation through Trainer.fit saves
+(rank 0) a checkpoint equal to the serial model trained on the concatenated batches."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import colossal_lite as clt
+from colossal_lite.trainer import hooks as H
+from colossal_lite.trainer import Trainer
+from colossal_lite.testing import max_rel_diff, run_distributed
+from tests._engine_cases import (build, criterion, global_batch, make_optimizer, replica_batch,
+                                 serial_reference)
+
+
+class Recorder(H.BaseHook):
+    EVENTS = ('before_train', 'after_train', 'before_epoch', 'after_epoch', 'before_train_iter',
+              'after_train_iter', 'before_test', 'after_test', 'before_test_iter', 'after_test_iter')
+
+    def __init__(self, name, log, priority):
+        super().__init__(priority)
+        self.name, self.log = name, log
+        for event in self.EVENTS:
+            setattr(self, event, self._recorder(event))
+
+    def _recorder(self, event):
+        return lambda trainer, *args: self.log.append((event, self.name))
+
+
+def _serial_engine(family='vit', **config):
+    model = build(family)
+    return clt.initialize(model, make_optimizer(model.parameters()), criterion(family),
+                          config=config or None)[0]
+
+
+def test_hooks_run_in_priority_order():
+    log = []
+    hooks = [Recorder('late', log, 10), Recorder('first', log, -1), Recorder('mid_a', log, 5),
+             Recorder('mid_b', log, 5)]
+    data = [global_batch('vit', seed=i, batch=2) for i in range(3)]
+    Trainer(_serial_engine()).fit(data, epochs=2, max_steps=4, test_dataloader=data[:1],
+                                  hooks=hooks, display_progress=True)
+    order = ['first', 'mid_a', 'mid_b', 'late']
+    events = [e for e, _ in log[::4]]
+    assert all([n for _, n in log[i:i + 4]] == order for i in range(0, len(log), 4)), log
+    epoch = (['before_epoch'] + ['before_train_iter', 'after_train_iter'] * 3 + ['after_epoch']
+             + ['before_test', 'before_test_iter', 'after_test_iter', 'after_test'])
+    last = (['before_epoch', 'before_train_iter', 'after_train_iter', 'after_epoch']
+            + ['before_test', 'before_test_iter', 'after_test_iter', 'after_test'])
+    assert events == ['before_train'] + epoch + last + ['after_train'], events
+
+
+def test_metric_hooks_match_a_plain_computation(tmp_path):
+    engine = _serial_engine()
+    init = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    data = [global_batch('vit', seed=i, batch=4) for i in range(3)]
+    test = [global_batch('vit', seed=10 + i, batch=4) for i in range(2)]
+    lines = []
+    path = os.path.join(str(tmp_path), 'ckpt_{epoch}.pt')
+    hooks = [H.LogMetricByStepHook(printer=lines.append), H.LogMetricByEpochHook(printer=lines.append),
+             H.SaveCheckpointHook(path), H.LRSchedulerHook(sched), H.LossHook(), H.AccuracyHook(),
+             H.ThroughputHook(warmup=1), H.MemoryHook()]
+    trainer = Trainer(engine)
+    metrics = trainer.fit(data, epochs=1, test_dataloader=test, hooks=hooks)
+    assert [h.priority for h in trainer.hooks] == sorted(h.priority for h in hooks)
+    assert metrics['lr'] == pytest.approx(1e-3 * 0.5 ** 3)
+    model = engine.model.eval()
+    with torch.no_grad():
+        logits = [model(x) for x, _ in test]
+        acc = sum((lg.argmax(-1) == y).sum().item() for lg, (_, y) in zip(logits, test)) / 8
+        test_loss = sum(criterion('vit')(lg, y).item() for lg, (_, y) in zip(logits, test)) / 2
+    assert metrics['test_accuracy'] == pytest.approx(acc)
+    assert metrics['test_loss'] == pytest.approx(test_loss, rel=1e-6)
+    first = build('vit')
+    first.load_state_dict(init)
+    assert trainer.history[0]['loss'] == pytest.approx(
+        criterion('vit')(first(data[0][0]), data[0][1]).item(), rel=1e-6)
+    assert metrics['epoch_loss'] == pytest.approx(sum(r['loss'] for r in trainer.history) / 3)
+    params = sum(p.numel() for p in model.parameters())
+    assert metrics['tflops'] == pytest.approx(6 * params * metrics['tokens_per_s'] / 1e12)
+    assert metrics['samples_per_s'] == pytest.approx(4 / metrics['step_time_s'])
+    assert len(metrics['peak_memory_mb']) == 1 and metrics['peak_memory_mb'][0] > 10
+    saved = torch.load(path.format(epoch=0))
+    assert saved['step'] == 3 and all(torch.equal(saved['model'][k], v)
+                                      for k, v in model.state_dict().items())
+    assert len(lines) == 3 + 2 and lines[0].startswith('step=1')
+
+
+def test_tensorboard_hook_needs_tensorboard(tmp_path):
+    if H.tensorboard_available():
+        H.TensorBoardHook(str(tmp_path))
+    else:
+        with pytest.raises(ImportError, match='tensorboard'):
+            H.TensorBoardHook(str(tmp_path))
+
+
+ACCUM, STEPS = 2, 2
+
+
+def _fit_worker(rank, ref, micro_batches, path):
+    model = build('gpt')
+    model.load_state_dict(ref['init'])
+    engine, loader, *_ = clt.initialize(model, make_optimizer(model.parameters()),
+                                        criterion('gpt'),
+                                        train_dataloader=[replica_batch(b) for b in micro_batches])
+    trainer = Trainer(engine)
+    trainer.fit(loader, epochs=1, hooks=[H.LossHook(), H.SaveCheckpointHook(path),
+                                         H.ThroughputHook(warmup=0), H.MemoryHook()])
+    return trainer.metrics['loss'], trainer.cur_step, trainer.metrics['peak_memory_mb'], \
+        trainer.metrics['samples_per_s'] * trainer.metrics['step_time_s']
+
+
+def test_fit_dp2_with_accumulation_equals_serial(tmp_path):
+    micro = [global_batch('gpt', seed=20 + i, batch=4) for i in range(ACCUM * STEPS)]
+    big = [tuple(torch.cat([m[j] for m in micro[s * ACCUM:(s + 1) * ACCUM]]) for j in range(2))
+           for s in range(STEPS)]
+    ref = serial_reference('gpt', big, steps=STEPS)
+    path = os.path.join(str(tmp_path), 'fit.pt')
+    results = run_distributed(_fit_worker, 2, dict(gradient_accumulation=ACCUM), ref, micro, path,
+                              timeout=300)
+    assert [r[1] for r in results] == [STEPS, STEPS]
+    assert results[0][0] == results[1][0]          # loss metric averaged over replicas
+    assert results[0][2] == results[1][2] and len(results[0][2]) == 2   # per-rank peaks
+    assert results[0][3] == pytest.approx(ACCUM * 4)     # global samples per step
+    saved = torch.load(path)['model']
+    worst = max(max_rel_diff(saved[k], ref['params'][k]) for k in ref['params'])
+    assert worst <= 1e-5, worst
