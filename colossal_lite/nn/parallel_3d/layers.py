@@ -1,0 +1,352 @@
+"""3D tensor-parallel layers (q^3 ranks, the cube algorithm of Agarwal et al.).
+
+Notation: rank (i, j, l) on the INPUT, WEIGHT and OUTPUT axes (see ``cube.py``).
+Activations use the *standard* layout ``[b, ..., h] -> [b/q^2, ..., h/q]``
+(batch chunk j*q+i, hidden chunk l) between blocks, and the *swapped* layout
+(batch chunk l*q+i, hidden chunk j) inside a parallel region. Every layer
+docstring gives each tensor's split (full -> local) and its collectives.
+Parameters replicated over groups whose members see different tokens get
+their gradients summed over those groups (``shared_over`` = copy_to per group).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...communication import collective as C
+from ...communication import reduce_from, reduce_scatter_to
+from ...context import ParallelMode, seed
+from ...tensor import ShardSpec, ShardedModule, get_spec, sharded_parameter
+from .._grid import shared_over
+from ..functional import tag_vocab_parallel
+from ..parallel_1d.layers import _embedding_init, linear_bias_init, linear_weight_init
+from .cube import (ActLayout, Cube3D, Orientation, check_batch, default_cube, split_batch,
+                   sum_partials, swap_layout)
+
+Init = Callable[[torch.Tensor], object]
+LOGITS_LAYOUT_ATTR = '_cl_3d_logits_layout'
+
+
+def _check(size: int, parts: int, what: str, q: int):
+    if size % parts:
+        raise ValueError(f'3D tensor parallelism (q={q}) needs {what} = {size} divisible by '
+                         f'{parts}')
+
+
+def tag_logits(logits: torch.Tensor, batch: ActLayout, vocab=None) -> torch.Tensor:
+    """Record the batch split (and the class split, if any) of logits for losses/gathers."""
+    setattr(logits, LOGITS_LAYOUT_ATTR, (batch, vocab))
+    if vocab is not None and vocab.size > 1:
+        tag_vocab_parallel(logits, vocab)
+    return logits
+
+
+class _CubeLinear(torch.autograd.Function):
+    """y = x A^T + b on the cube (see :class:`Orientation`).
+
+    Forward: all_gather x (``x_gather``) and A, b (``w_gather``), all async together; matmul;
+    reduce_scatter y (``y_scatter``). Backward: all_gather dy (``y_scatter``) -- and, unless
+    ``keep_gathered``, x and A again, concurrently; dA = dy^T x and db = sum dy are
+    reduce_scattered over ``w_gather`` asynchronously while dx = dy A is computed and
+    reduce_scattered over ``x_gather``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, orient: Orientation, keep_gathered: bool):
+        b_pending = C.all_gather(bias, orient.w_gather, 0, async_op=True) if bias is not None else None
+        x_full, w_full = _gather_operands(x, weight, orient)
+        y = C.reduce_scatter(F.linear(x_full, w_full), orient.y_scatter, 0)
+        if b_pending is not None:
+            y = y + b_pending.wait()
+        ctx.save_for_backward(*((x_full, w_full) if keep_gathered else (x, weight)))
+        ctx.orient, ctx.has_bias, ctx.keep_gathered = orient, bias is not None, keep_gathered
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        orient = ctx.orient
+        dy_pending = C.all_gather(dy.contiguous(), orient.y_scatter, 0, async_op=True)
+        if ctx.keep_gathered:
+            x_full, w_full = ctx.saved_tensors
+        else:
+            x_full, w_full = _gather_operands(*ctx.saved_tensors, orient)
+        dy_full = dy_pending.wait()
+        dy2 = dy_full.reshape(-1, dy_full.shape[-1])
+        dw = dy2.t().mm(x_full.reshape(-1, x_full.shape[-1]))
+        dw_pending = C.reduce_scatter(dw, orient.w_gather, 0, async_op=True)
+        db_pending = C.reduce_scatter(dy2.sum(0), orient.w_gather, 0, async_op=True) \
+            if ctx.has_bias else None
+        dx = C.reduce_scatter(dy_full.matmul(w_full), orient.x_gather, 0)
+        db = db_pending.wait() if db_pending is not None else None
+        return dx, dw_pending.wait(), db, None, None
+
+
+def _gather_operands(x, weight, orient: Orientation):
+    """x all-gathered over ``x_gather`` and A over ``w_gather`` (both in flight at once)."""
+    x_pending = C.all_gather(x, orient.x_gather, 0, async_op=True)
+    w_pending = C.all_gather(weight, orient.w_gather, 0, async_op=True)
+    return x_pending.wait(), w_pending.wait()
+
+
+def _tied_or_new(weight, full_shape, spec: ShardSpec, init: Init, dtype):
+    if weight is None:
+        return sharded_parameter(full_shape, spec, init, dtype)
+    if get_spec(weight) != spec or tuple(weight.shape) != spec.local_shape(full_shape):
+        raise ValueError(f'a tied 3D weight must be sharded as {spec} with local shape '
+                         f'{spec.local_shape(full_shape)}, got {get_spec(weight)} and '
+                         f'{tuple(weight.shape)}')
+    return weight
+
+
+class Linear3D(ShardedModule):
+    """y = x A^T + b on the cube. Weight ``[out, in] -> [out/q^2, in/q]``, bias ``[out] -> [out/q^2]``.
+
+    ``region='enter'``: input standard ``[b/q^2, .., in/q]`` (batch j*q+i, hidden l),
+    output swapped ``[b/q^2, .., out/q]`` (batch l*q+i, hidden j); A's rows cut by
+    WEIGHT then INPUT (chunk j*q+i), its columns by OUTPUT (chunk l).
+    ``region='exit'``: the same with WEIGHT and OUTPUT exchanged (swapped -> standard).
+    ``region=None``: 'enter' followed by :func:`swap_layout` (standard in and out).
+    ``keep_gathered``: save the gathered x and A for backward (+1/q^2 of x and of A kept per
+    rank) instead of the local shards (default; costs one more all_gather of each backward).
+
+    Collectives (enter; exit exchanges WEIGHT and OUTPUT): forward all_gather x over
+    WEIGHT, A and b over INPUT, reduce_scatter y over OUTPUT; backward all_gather dy
+    over OUTPUT, reduce_scatter dA and db over INPUT (async), reduce_scatter dx over
+    WEIGHT, plus (default) the all_gathers of x and A again; region None adds one
+    send+recv of y (and of dy) over OUTPUT_X_WEIGHT.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 region: Optional[str] = None, cube: Optional[Cube3D] = None,
+                 weight: Optional[nn.Parameter] = None, weight_init: Optional[Init] = None,
+                 bias_init: Optional[Init] = None, dtype: Optional[torch.dtype] = None,
+                 keep_gathered: bool = False):
+        super().__init__()
+        if region not in ('enter', 'exit', None):
+            raise ValueError(f"Linear region must be 'enter', 'exit' or None, got {region!r}")
+        self.cube = default_cube(cube)
+        q = self.cube.q
+        _check(in_features, q, 'Linear in_features', q)
+        _check(out_features, q * q, 'Linear out_features', q)
+        self.in_features, self.out_features, self.region = in_features, out_features, region
+        self.keep_gathered = keep_gathered
+        self.orient = self.cube.exit if region == 'exit' else self.cube.enter
+        self.weight = _tied_or_new(weight, (out_features, in_features), self.orient.weight_spec,
+                                   weight_init or linear_weight_init(in_features), dtype)
+        self.bias = sharded_parameter((out_features,), self.orient.bias_spec,
+                                      bias_init or linear_bias_init(in_features), dtype) if bias else None
+
+    def forward(self, x):
+        if x.shape[-1] * self.cube.q != self.in_features:
+            raise ValueError(f'3D Linear expects a local input of last dim in_features/q = '
+                             f'{self.in_features}/{self.cube.q}, got {x.shape[-1]}')
+        y = _CubeLinear.apply(x, self.weight, self.bias, self.orient, self.keep_gathered)
+        return swap_layout(y, self.cube) if self.region is None else y
+
+
+class VocabParallelClassifier3D(Linear3D):
+    """Logits with the classes split: an 'enter' :class:`Linear3D` (same weight split, so it
+    ties to :class:`VocabParallelEmbedding3D`). Input standard; logits ``[b, .., C] ->
+    [b/q^2, .., C/q]`` (batch l*q+i, classes chunk j over WEIGHT), tagged for the loss."""
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = False, weight=None,
+                 cube: Optional[Cube3D] = None, weight_init: Optional[Init] = None,
+                 bias_init: Optional[Init] = None, dtype: Optional[torch.dtype] = None,
+                 keep_gathered: bool = False):
+        super().__init__(in_features, num_classes, bias=bias, region='enter', cube=cube,
+                         weight=weight, weight_init=weight_init, bias_init=bias_init, dtype=dtype,
+                         keep_gathered=keep_gathered)
+        self.num_classes = num_classes
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return tag_logits(logits, self.cube.swapped, self.cube.weight)
+
+
+class Classifier3D(ShardedModule):
+    """Logits for all classes: weight ``[C, h] -> [C, h/q]`` (cut by OUTPUT), bias ``[C]`` whole.
+
+    Input standard ``[b/q^2, .., h/q]``; logits ``[b/q^2, .., C]`` (batch j*q+i), the same
+    on every OUTPUT rank. Forward: all_reduce of partial logits over OUTPUT. Backward:
+    all_reduce of dW and db over INPUT_X_WEIGHT. ``weight`` ties to an :class:`Embedding3D`.
+    """
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = True, weight=None,
+                 cube: Optional[Cube3D] = None, weight_init: Optional[Init] = None,
+                 bias_init: Optional[Init] = None, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.cube = default_cube(cube)
+        _check(in_features, self.cube.q, 'Classifier in_features', self.cube.q)
+        self.in_features, self.num_classes = in_features, num_classes
+        self.weight = _tied_or_new(weight, (num_classes, in_features),
+                                   ShardSpec.of((1, self.cube.output)),
+                                   weight_init or linear_weight_init(in_features), dtype)
+        self.bias = sharded_parameter((num_classes,), ShardSpec(),
+                                      bias_init or linear_bias_init(in_features), dtype) if bias else None
+
+    def forward(self, x):
+        tokens = (self.cube.input_x_weight,)
+        logits = reduce_from(F.linear(x, shared_over(self.weight, tokens)), self.cube.output)
+        if self.bias is not None:
+            logits = logits + shared_over(self.bias, tokens)
+        return tag_logits(logits, self.cube.standard)
+
+
+class LayerNorm3D(ShardedModule):
+    """LayerNorm over a hidden dim split by OUTPUT: weight, bias ``[h] -> [h/q]``.
+
+    Input/output standard ``[b/q^2, .., h/q]``. Forward: 2 all_reduces over OUTPUT of
+    ``[b/q^2, ..]`` (sum, then sum of squared deviations); backward the same 2; dW, db
+    all_reduced over INPUT_X_WEIGHT.
+    """
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, cube: Optional[Cube3D] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.cube = default_cube(cube)
+        _check(normalized_shape, self.cube.q, 'LayerNorm normalized_shape', self.cube.q)
+        self.normalized_shape, self.eps = normalized_shape, eps
+        spec = ShardSpec.of((0, self.cube.output))
+        self.weight = sharded_parameter((normalized_shape,), spec, nn.init.ones_, dtype)
+        self.bias = sharded_parameter((normalized_shape,), spec, nn.init.zeros_, dtype)
+
+    def forward(self, x):
+        axis, tokens = self.cube.output, (self.cube.input_x_weight,)
+        mean = sum_partials(x.sum(-1, keepdim=True), axis) / self.normalized_shape
+        centered = x - mean
+        var = sum_partials((centered * centered).sum(-1, keepdim=True), axis) / self.normalized_shape
+        normed = centered * torch.rsqrt(var + self.eps)
+        return normed * shared_over(self.weight, tokens) + shared_over(self.bias, tokens)
+
+
+class Embedding3D(ShardedModule):
+    """Lookup with the hidden dim split: weight ``[V, h] -> [V, h/q]`` (cut by OUTPUT).
+
+    Full ids ``[b, s]`` -> standard ``[b/q^2, s, h/q]``. Forward: none (ids split locally).
+    Backward: all_reduce of dW over INPUT_X_WEIGHT.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 cube: Optional[Cube3D] = None, weight_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.cube = default_cube(cube)
+        _check(embedding_dim, self.cube.q, 'Embedding embedding_dim', self.cube.q)
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.weight = sharded_parameter((num_embeddings, embedding_dim),
+                                        ShardSpec.of((1, self.cube.output)),
+                                        weight_init or _embedding_init(padding_idx), dtype)
+
+    def forward(self, ids):
+        ids = split_batch(ids, self.cube.standard, 'Embedding ids')
+        weight = shared_over(self.weight, (self.cube.input_x_weight,))
+        return F.embedding(ids, weight, self.padding_idx)
+
+
+class VocabParallelEmbedding3D(ShardedModule):
+    """Lookup with the vocabulary split: weight ``[V, h] -> [V/q^2, h/q]`` (rows cut by WEIGHT
+    then INPUT, i.e. chunk j*q+i = the INPUT_X_WEIGHT rank; columns by OUTPUT), the split of
+    :class:`VocabParallelClassifier3D`, so the two can be tied.
+
+    Full ids ``[b, s]`` -> standard ``[b/q^2, s, h/q]``: each rank looks up the whole batch in
+    its vocabulary rows (zeros elsewhere), then reduce_scatter over INPUT_X_WEIGHT (batch).
+    Backward: all_gather of the output gradient over INPUT_X_WEIGHT; dW is then complete.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 cube: Optional[Cube3D] = None, weight_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.cube = default_cube(cube)
+        q = self.cube.q
+        _check(num_embeddings, q * q, 'VocabParallelEmbedding num_embeddings', q)
+        _check(embedding_dim, q, 'VocabParallelEmbedding embedding_dim', q)
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        plane = self.cube.input_x_weight
+        self.vocab_start = plane.rank * (num_embeddings // plane.size)
+        self.vocab_end = self.vocab_start + num_embeddings // plane.size
+        self.weight = sharded_parameter((num_embeddings, embedding_dim), self.cube.enter.weight_spec,
+                                        weight_init or _embedding_init(padding_idx), dtype)
+
+    def forward(self, ids):
+        check_batch(ids.shape[0], self.cube.standard, 'VocabParallelEmbedding ids')
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
+        local_pad = None
+        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
+            local_pad = self.padding_idx - self.vocab_start
+        out = F.embedding(local_ids, self.weight, local_pad).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_to(out, self.cube.input_x_weight, 0)
+
+
+class _PatchParams(ShardedModule):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+
+class PatchEmbedding3D(ShardedModule):
+    """Images ``[b, C, H, W]`` -> standard ``[b/q^2, 1 + n, h/q]`` (class token + positions).
+
+    proj.weight ``[h, C, P, P] -> [h/q, C, P, P]``, proj.bias, cls_token ``[1, 1, h]`` and
+    pos_embed ``[1, 1 + n, h]`` cut along h by OUTPUT. Images are split by batch locally.
+    Forward: none. Backward: all_reduce of every gradient over INPUT_X_WEIGHT. Draws the
+    same initial values as the serial PatchEmbedding.
+    """
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int,
+                 cube: Optional[Cube3D] = None, dtype: Optional[torch.dtype] = None,
+                 weight_init: Optional[Init] = None):
+        super().__init__()
+        if img_size % patch_size:
+            raise ValueError(f'img_size {img_size} must be divisible by patch_size {patch_size}')
+        self.cube = default_cube(cube)
+        _check(embed_size, self.cube.q, 'PatchEmbedding embed_size', self.cube.q)
+        self.num_patches, self.patch_size = (img_size // patch_size) ** 2, patch_size
+        conv = nn.Conv2d(in_chans, embed_size, patch_size, patch_size, dtype=dtype)  # serial draws
+        pos = torch.zeros(1, 1 + self.num_patches, embed_size, dtype=dtype)
+        cls = torch.zeros(1, 1, embed_size, dtype=dtype)
+        nn.init.trunc_normal_(pos, std=0.02)
+        nn.init.trunc_normal_(cls, std=0.02)
+        out_axis = self.cube.output
+
+        def cut(full, dim):
+            return sharded_parameter(full.shape, ShardSpec.of((dim, out_axis)),
+                                     lambda t: t.copy_(full), full.dtype)
+        self.proj = _PatchParams(cut(conv.weight.detach(), 0), cut(conv.bias.detach(), 0))
+        self.cls_token, self.pos_embed = cut(cls, 2), cut(pos, 2)
+
+    def forward(self, images):
+        images = split_batch(images, self.cube.standard, 'PatchEmbedding images')
+        w, b, cls, pos = shared_over_all((self.proj.weight, self.proj.bias, self.cls_token,
+                                          self.pos_embed), self.cube)
+        x = F.conv2d(images, w, b, stride=self.patch_size).flatten(2).transpose(1, 2)
+        return torch.cat([cls.expand(x.shape[0], -1, -1), x], dim=1) + pos
+
+
+def shared_over_all(params, cube: Cube3D):
+    return [shared_over(p, (cube.input_x_weight,)) for p in params]
+
+
+class Dropout3D(nn.Module):
+    """Dropout on sharded activations: every element lives on one rank, so every rank draws
+    its own mask from the TENSOR stream (``inside_region`` makes no difference). No
+    communication."""
+
+    def __init__(self, p: float = 0.5, inside_region: bool = False, cube: Optional[Cube3D] = None):
+        super().__init__()
+        self.p, self.inside_region = p, inside_region
+        self.cube = default_cube(cube)
+
+    def rng(self):
+        return seed(ParallelMode.TENSOR) if self.cube.q > 1 else contextlib.nullcontext()
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        with self.rng():
+            return F.dropout(x, self.p, True)
