@@ -1,0 +1,264 @@
+"""2D / 2.5D layers on the ``d x q x q`` grid (2D: d = 1).
+
+Standard layout (``grid.py``): activations ``[b, s, h] -> [b/(d q), s, h/q]``, batch
+chunk ``k*q + i`` and hidden chunk ``j`` at rank (k, i, j). In the docstrings,
+``b' = b/(d q)``; "shared" means replicated over ``col`` x ``dep`` with the gradient
+summed there (two all_reduces of the parameter's local size backward, the ``dep``
+one absent in 2D). Every layer keeps the standard layout in and out, so 'enter',
+'exit' and plain linears are the same layer.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...communication import copy_to, reduce_from, reduce_scatter_to
+from ...context import ParallelMode, seed
+from ...tensor import ShardSpec, ShardedModule, sharded_parameter
+from ..functional import tag_vocab_parallel
+from ..parallel_1d.layers import (Init, PatchEmbedding1D, _embedding_init, _tied_or_new,
+                                  linear_bias_init, linear_weight_init)
+from .grid import Grid2p5D, resolve_grid
+from .summa import summa_linear
+
+
+def block_spec(grid: Grid2p5D) -> ShardSpec:
+    """``[out, in] -> [out/q, in/q]``: dim 0 over ``col`` (chunk i), dim 1 over ``row`` (chunk j)."""
+    return ShardSpec.of((0, grid.col), (1, grid.row))
+
+
+def hidden_spec(grid: Grid2p5D, dim: int) -> ShardSpec:
+    """Split ``dim`` over ``row`` (chunk j); replicated over ``col`` and ``dep``."""
+    return ShardSpec.of((dim, grid.row))
+
+
+class SummaAffine2p5D(ShardedModule):
+    """``y = x W^T + b`` by SUMMA: weight ``[out, in] -> [out/q, in/q]`` (block (i, j),
+    replicated over dep), bias ``[out] -> [out/q]`` (chunk j, shared).
+
+    x ``[b', .., in/q]`` -> y ``[b', .., out/q]``. Communication: see ``summa.SummaLinear``;
+    the bias adds all_reduces of ``out/q`` over col and dep backward.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 weight: Optional[nn.Parameter] = None, grid: Optional[Grid2p5D] = None,
+                 weight_init: Optional[Init] = None, bias_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.grid = resolve_grid(grid)
+        self.grid.check_hidden(in_features, 'in_features')
+        self.grid.check_hidden(out_features, 'out_features')
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _tied_or_new(weight, (out_features, in_features), block_spec(self.grid),
+                                   weight_init or linear_weight_init(in_features), dtype)
+        self.bias = sharded_parameter((out_features,), hidden_spec(self.grid, 0),
+                                      bias_init or linear_bias_init(in_features),
+                                      dtype) if bias else None
+
+    def forward(self, x):
+        y = summa_linear(x, self.weight, self.grid)
+        return y + self.grid.shared(self.bias) if self.bias is not None else y
+
+
+class Linear2p5D(SummaAffine2p5D):
+    """The facade's Linear: standard layout in and out for every ``region``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 region: Optional[str] = None, **kwargs):
+        if region not in ('enter', 'exit', None):
+            raise ValueError(f"Linear region must be 'enter', 'exit' or None, got {region!r}")
+        super().__init__(in_features, out_features, bias, **kwargs)
+
+
+class VocabParallelClassifier2p5D(SummaAffine2p5D):
+    """Logits split along the classes: weight ``[C, h] -> [C/q, h/q]`` (as a Linear, so it ties
+    to :class:`VocabParallelEmbedding2p5D`), bias ``[C] -> [C/q]``.
+
+    x ``[b', s, h/q]`` -> logits ``[b', s, C/q]`` (class chunk j), tagged vocab-parallel
+    over ``row`` for the loss. Communication as a Linear.
+    """
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = False,
+                 weight: Optional[nn.Parameter] = None, **kwargs):
+        super().__init__(in_features, num_classes, bias, weight=weight, **kwargs)
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return tag_vocab_parallel(logits, self.grid.row) if self.grid.q > 1 else logits
+
+
+class Classifier2p5D(ShardedModule):
+    """Logits for all classes: weight ``[C, h] -> [C, h/q]`` (chunk j, shared), bias ``[C]``
+    replicated (shared).
+
+    x ``[b', .., h/q]`` -> logits ``[b', .., C]``, replicated over ``row``. Forward: all_reduce
+    of ``b' C`` (per token) over row. Backward: the shared all_reduces of the weight and bias.
+    ``weight`` ties it to an :class:`Embedding2p5D` weight (same split).
+    """
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = True,
+                 weight: Optional[nn.Parameter] = None, grid: Optional[Grid2p5D] = None,
+                 weight_init: Optional[Init] = None, bias_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.grid = resolve_grid(grid)
+        self.grid.check_hidden(in_features, 'Classifier in_features')
+        self.in_features, self.num_classes = in_features, num_classes
+        self.weight = _tied_or_new(weight, (num_classes, in_features), hidden_spec(self.grid, 1),
+                                   weight_init or linear_weight_init(in_features), dtype)
+        self.bias = sharded_parameter((num_classes,), ShardSpec(),
+                                      bias_init or linear_bias_init(in_features),
+                                      dtype) if bias else None
+
+    def forward(self, x):
+        y = reduce_from(F.linear(x, self.grid.shared(self.weight)), self.grid.row)
+        return y + self.grid.shared(self.bias) if self.bias is not None else y
+
+
+class LayerNorm2p5D(ShardedModule):
+    """LayerNorm over a hidden dim split in q: weight, bias ``[h] -> [h/q]`` (chunk j, shared).
+
+    x ``[b', s, h/q]`` -> same. The row sums of x and of (x - mean)^2 are all_reduced over
+    ``row`` (``b' s`` elements each, forward and again backward).
+    """
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, dtype=None,
+                 grid: Optional[Grid2p5D] = None):
+        super().__init__()
+        self.grid = resolve_grid(grid)
+        self.grid.check_hidden(normalized_shape, 'LayerNorm normalized_shape')
+        self.normalized_shape, self.eps = normalized_shape, eps
+        spec = hidden_spec(self.grid, 0)
+        self.weight = sharded_parameter((normalized_shape,), spec, nn.init.ones_, dtype)
+        self.bias = sharded_parameter((normalized_shape,), spec, nn.init.zeros_, dtype)
+
+    def _row_mean(self, t):
+        total = reduce_from(t.sum(dim=-1, keepdim=True), self.grid.row)
+        return copy_to(total, self.grid.row) / self.normalized_shape
+
+    def forward(self, x):
+        centered = x - self._row_mean(x)
+        var = self._row_mean(centered * centered)
+        y = centered * torch.rsqrt(var + self.eps)
+        return y * self.grid.shared(self.weight) + self.grid.shared(self.bias)
+
+
+class Embedding2p5D(ShardedModule):
+    """Lookup with the hidden dim split: weight ``[V, h] -> [V, h/q]`` (chunk j, shared).
+
+    ids: the user's full ``[b, s]`` (split locally) -> ``[b', s, h/q]``. Forward: none.
+    Backward: the shared all_reduces of the weight (``V h/q`` over col and dep).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 grid: Optional[Grid2p5D] = None, weight_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.grid = resolve_grid(grid)
+        self.grid.check_hidden(embedding_dim, 'Embedding embedding_dim')
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx
+        self.weight = sharded_parameter((num_embeddings, embedding_dim), hidden_spec(self.grid, 1),
+                                        weight_init or _embedding_init(padding_idx), dtype)
+
+    def forward(self, ids):
+        return F.embedding(self.grid.split_batch(ids), self.grid.shared(self.weight),
+                           self.padding_idx)
+
+
+class VocabParallelEmbedding2p5D(ShardedModule):
+    """Lookup with the vocabulary split: weight ``[V, h] -> [V/q, h/q]`` (vocab chunk i, hidden
+    chunk j, as a Linear weight, so a VocabParallelClassifier can tie to it).
+
+    ids: full ``[b, s]``; each rank looks up its depth layer's ``b/d`` rows in its vocab chunk
+    (zeros elsewhere) and a reduce_scatter over ``col`` along the batch sums the vocab chunks
+    and leaves batch chunk i: ``[b', s, h/q]``. Forward: reduce_scatter of ``(b/d) s h/q``.
+    Backward: all_gather of the same over col, all_reduce of ``V h/q^2`` over dep.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 grid: Optional[Grid2p5D] = None, weight_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.grid = resolve_grid(grid)
+        self.grid.check_hidden(num_embeddings, 'VocabParallelEmbedding num_embeddings')
+        self.grid.check_hidden(embedding_dim, 'VocabParallelEmbedding embedding_dim')
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        per_rank = num_embeddings // self.grid.q
+        self.vocab_start = self.grid.i * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        self.padding_idx = padding_idx
+        self.weight = sharded_parameter((num_embeddings, embedding_dim), block_spec(self.grid),
+                                        weight_init or _embedding_init(padding_idx), dtype)
+
+    def forward(self, ids):
+        ids = self.grid.split_depth(ids)
+        weight = _grid_dep_shared(self.weight, self.grid)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
+        local_pad = None
+        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
+            local_pad = self.padding_idx - self.vocab_start
+        out = F.embedding(local_ids, weight, local_pad).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_to(out, self.grid.col, 0)
+
+
+def _grid_dep_shared(weight, grid: Grid2p5D):
+    """Identity forward; weight gradient summed over the depth layers backward."""
+    return copy_to(weight, grid.dep)
+
+
+class PatchEmbedding2p5D(ShardedModule):
+    """Images -> ``[b', 1 + n, h/q]``: conv patches, class token, positions, all split along the
+    hidden (embedding) dim over ``row`` and shared: proj.weight ``[h, C, P, P] -> [h/q, C, P, P]``,
+    proj.bias ``[h] -> [h/q]``, cls_token ``[1, 1, h] -> [1, 1, h/q]``,
+    pos_embed ``[1, 1+n, h] -> [1, 1+n, h/q]``. Images: full ``[b, C, H, W]``, split locally.
+    Forward: none. Backward: the shared all_reduces.
+    """
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int,
+                 dtype=None, grid: Optional[Grid2p5D] = None, weight_init: Optional[Init] = None):
+        super().__init__()  # weight_init: accepted and ignored, as in the 1D family
+        self.grid = resolve_grid(grid)
+        self.grid.check_hidden(embed_size, 'PatchEmbedding embed_size')
+        full = PatchEmbedding1D(img_size, patch_size, in_chans, embed_size, dtype=dtype)  # serial draws
+        self.num_patches, self.patch_size = full.num_patches, patch_size
+        self.proj = ShardedModule()
+        for owner, name, dim in ((self.proj, 'weight', 0), (self.proj, 'bias', 0),
+                                 (self, 'cls_token', 2), (self, 'pos_embed', 2)):
+            source = getattr(full.proj if owner is self.proj else full, name).detach()
+            spec = hidden_spec(self.grid, dim)
+            owner.register_parameter(name, sharded_parameter(
+                source.shape, spec, lambda t, s=source: t.copy_(s), dtype=source.dtype))
+
+    def forward(self, images):
+        shared = self.grid.shared
+        x = F.conv2d(self.grid.split_batch(images), shared(self.proj.weight), shared(self.proj.bias),
+                     stride=self.patch_size)
+        x = x.flatten(2).transpose(1, 2)
+        cls = shared(self.cls_token).expand(x.shape[0], -1, -1)
+        return torch.cat([cls, x], dim=1) + shared(self.pos_embed)
+
+
+class Dropout2p5D(nn.Module):
+    """Dropout; every activation is a distinct shard, so each rank draws from the TENSOR
+    stream (when the grid has more than one rank). No communication."""
+
+    def __init__(self, p: float = 0.5, inside_region: bool = False,
+                 grid: Optional[Grid2p5D] = None):
+        super().__init__()
+        self.p, self.inside_region = p, inside_region
+        self.grid = resolve_grid(grid)
+
+    def rng(self):
+        return seed(ParallelMode.TENSOR) if self.grid.size > 1 else contextlib.nullcontext()
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        with self.rng():
+            return F.dropout(x, self.p, True)

@@ -1,0 +1,377 @@
+"""Shared checks for the 2D / 2.5D families: each layer and each zoo model against serial.
+
+The serial reference is computed in the parent process (no launch: serial layers) by
+the same code the ranks run; the ranks build the parallel version from the serial
+full weights, compare locally and return the worst relative differences, which the
+tests assert. Layouts: 'act' = standard activation layout, 'full' = user tensor.
+"""
+from __future__ import annotations
+
+import torch
+
+import colossal_lite.nn as col_nn
+from colossal_lite.communication import collective as C
+from colossal_lite.communication import comm_profile
+from colossal_lite.context import ParallelMode, global_context as gpc
+from colossal_lite.engine import allreduce_gradients
+from colossal_lite.nn.parallel_2p5d import Grid2p5D
+from colossal_lite.tensor import gather_full
+from colossal_lite.testing import max_rel_diff
+from model_zoo import BERT, GPT, BertPretrainingLoss, GPTLMLoss, ViT
+
+B, S, H, V, CLS = 8, 4, 16, 32, 10
+TOL = 1e-5
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _act(*shape, seed=0):
+    return torch.randn(*shape, generator=_gen(seed))
+
+
+class Layout:
+    """Serial (grid None: identity) or parallel: how full tensors become local and back."""
+
+    def __init__(self, grid=None):
+        self.grid = grid
+
+    def local(self, full, how):
+        if self.grid is None or how == 'full':
+            return full
+        return self.grid.split_activation(full) if how == 'act' else self.grid.split_batch(full)
+
+    def full(self, local, how):
+        if self.grid is None:
+            return local
+        if how == 'act':
+            return self.grid.gather_activation(local)
+        with torch.no_grad():  # (detach() would drop the vocab-parallel tag)
+            return col_nn.gather_logits(local)
+
+    def total(self, partial_loss):
+        """Sum of per-rank partial losses over the tensor group (identity when serial)."""
+        if self.grid is None:
+            return partial_loss
+        return C.all_reduce(partial_loss, ParallelMode.TENSOR)
+
+
+def _inputs(layout, spec):
+    """spec: list of (full tensor, how, needs_grad) -> local leaf tensors."""
+    out = []
+    for full, how, grad in spec:
+        t = layout.local(full, how).detach().clone()
+        out.append(t.requires_grad_(grad))
+    return out
+
+
+# ----------------------------------------------------------------- layer cases
+# each: build() -> module, inputs() -> [(full, how, grad)], run(module, *local) -> (out, how, loss)
+
+def _upstream(layout, out, how, seed=7):
+    g = _act(*layout.full(out, how).shape, seed=seed)
+    return (out * layout.local(g, how)).sum()
+
+
+def _case_linear(region, bias, fin, fout):
+    def build():
+        return col_nn.Linear(fin, fout, bias=bias, region=region)
+
+    def inputs():
+        return [(_act(B, S, fin, seed=1), 'act', True)]
+
+    def run(layout, m, x):
+        y = m(x)
+        return y, 'act', _upstream(layout, y, 'act')
+    return build, inputs, run
+
+
+def _case_layernorm():
+    def build():
+        ln = col_nn.LayerNorm(H)
+        with torch.no_grad():  # non-trivial affine parameters
+            for p in ln.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=_gen(3)))
+        return ln
+
+    def run(layout, m, x):
+        y = m(x)
+        return y, 'act', _upstream(layout, y, 'act')
+    return build, lambda: [(3.0 + _act(B, S, H, seed=2), 'act', True)], run
+
+
+def _ids(seed=4, vocab=V):
+    return torch.randint(0, vocab, (B, S), generator=_gen(seed))
+
+
+def _case_embedding(vocab_parallel):
+    def build():
+        cls = col_nn.VocabParallelEmbedding if vocab_parallel else col_nn.Embedding
+        return cls(V, H, padding_idx=3)
+
+    def run(layout, m, ids):
+        y = m(ids)
+        return y, 'act', _upstream(layout, y, 'act')
+    return build, lambda: [(_ids(), 'full', False)], run
+
+
+def _case_patch():
+    def build():
+        return col_nn.PatchEmbedding(8, 2, 1, H)
+
+    def run(layout, m, images):
+        y = m(images)
+        return y, 'act', _upstream(layout, y, 'act')
+    return build, lambda: [(_act(B, 1, 8, 8, seed=5), 'full', False)], run
+
+
+def _case_attention(causal):
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, -1] = mask[6, -2:] = 0
+
+    def build():
+        return col_nn.AttentionCore(4, causal=causal)
+
+    def inputs():
+        return [(_act(B, S, H, seed=s), 'act', True) for s in (8, 9, 10)] + [(mask, 'full', False)]
+
+    def run(layout, m, q, k, v, key_padding_mask):
+        y = m(q, k, v, key_padding_mask)
+        return y, 'act', _upstream(layout, y, 'act')
+    return build, inputs, run
+
+
+def _labels(shape, vocab, seed=11):
+    labels = torch.randint(0, vocab, shape, generator=_gen(seed))
+    labels.view(-1)[::5] = -100
+    return labels
+
+
+def _case_classifier(vocab_parallel, reduction):
+    def build():
+        if vocab_parallel:
+            return col_nn.VocabParallelClassifier(H, V, bias=True)
+        return col_nn.Classifier(H, CLS)
+
+    def inputs():
+        shape = (B, S) if vocab_parallel else (B,)
+        labels = _labels(shape, V if vocab_parallel else CLS)
+        return [(_act(*shape, H, seed=12), 'act', True), (labels, 'full', False)]
+
+    def run(layout, m, x, labels):
+        logits = m(x)
+        loss = col_nn.CrossEntropyLoss(reduction=reduction)(logits, labels)
+        if reduction == 'none':
+            loss = (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum()
+        return logits, 'logits', loss
+    return build, inputs, run
+
+
+def _case_first_token():
+    def run(layout, m, x):
+        y = col_nn.first_token(m(x))
+        return y, 'act', _upstream(layout, y, 'act')
+    return (lambda: col_nn.LayerNorm(H)), lambda: [(_act(B, S, H, seed=13), 'act', True)], run
+
+
+LAYER_CASES = {
+    'linear_enter': _case_linear('enter', True, H, 2 * H),
+    'linear_exit_nobias': _case_linear('exit', False, 2 * H, H),
+    'linear_none': _case_linear(None, True, H, H),
+    'layernorm': _case_layernorm(),
+    'embedding': _case_embedding(False),
+    'vocab_parallel_embedding': _case_embedding(True),
+    'patch_embedding': _case_patch(),
+    'attention_causal_mask': _case_attention(True),
+    'attention_mask': _case_attention(False),
+    'classifier_ce_mean': _case_classifier(False, 'mean'),
+    'vocab_classifier_ce_mean': _case_classifier(True, 'mean'),
+    'vocab_classifier_ce_sum': _case_classifier(True, 'sum'),
+    'vocab_classifier_ce_none': _case_classifier(True, 'none'),
+    'first_token': _case_first_token(),
+}
+
+
+def run_layer_case(name, grid=None, state=None):
+    """Full results of one case: output, loss, input grads, every parameter gradient."""
+    build, inputs, run = LAYER_CASES[name]
+    layout = Layout(grid)
+    torch.manual_seed(100)
+    module = build()
+    if state is not None:
+        module.load_state_dict(state)
+    spec = inputs()
+    local = _inputs(layout, spec)
+    out, how, loss = run(layout, module, *local)
+    loss.backward()
+    res = {'out': layout.full(out, how).detach(),
+           'loss': layout.total(loss.detach()) if how == 'act' else loss.detach()}
+    for n, (t, (_, h, g)) in enumerate(zip(local, spec)):
+        if g:
+            res[f'dx{n}'] = layout.full(t.grad, h)
+    for pname, p in module.named_parameters():
+        res[f'grad:{pname}'] = gather_full(p.grad, p)
+    return res, module.state_dict()
+
+
+def layer_references():
+    refs = {}
+    for name in LAYER_CASES:
+        res, state = run_layer_case(name)
+        refs[name] = (res, state)
+    return refs
+
+
+def compare(actual: dict, expected: dict) -> dict:
+    if set(actual) != set(expected):
+        return {'keys': float('inf')}
+    return {k: max_rel_diff(actual[k], expected[k]) for k in expected}
+
+
+def check_layers(rank, refs, comm_shape):
+    """On every rank: each layer case vs its serial reference; plus one Linear's bytes."""
+    grid = Grid2p5D.current()
+    worst = {}
+    for name, (expected, state) in refs.items():
+        actual, _ = run_layer_case(name, grid, state)
+        diffs = compare(actual, expected)
+        worst[name] = max(diffs.values())
+    return {'diffs': worst, 'bytes': linear_bytes(grid, *comm_shape), 'dropout': dropout_mask(grid)}
+
+
+def dropout_mask(grid):
+    """Dropout(0.5) of ones in the standard layout, gathered: (train output, eval output)."""
+    drop = col_nn.Dropout(0.5)
+    ones = grid.split_activation(torch.ones(B, S, H))
+    train = grid.gather_activation(drop(ones))
+    return train, grid.gather_activation(drop.eval()(ones))
+
+
+def check_dropout(train, evaluated, grid_shape):
+    """Values 0 or 1/(1-p); eval is identity; the ranks' blocks draw different masks."""
+    assert torch.equal(evaluated, torch.ones_like(evaluated))
+    assert set(train.unique().tolist()) == {0.0, 2.0}
+    parts, q = grid_shape
+    blocks = [blk for rows in train.chunk(parts, 0) for blk in rows.chunk(q, -1)]
+    assert len({tuple(b.flatten().tolist()) for b in blocks}) == len(blocks)
+
+
+def linear_bytes(grid, b, s, h):
+    """Measured bytes of one Linear(h, h) forward + backward (input needs its gradient)."""
+    layer = col_nn.Linear(h, h)
+    x = grid.split_activation(torch.randn(b, s, h)).requires_grad_(True)
+    with comm_profile() as stats:
+        layer(x).sum().backward()
+    return stats.bytes(), stats.wire_bytes()
+
+
+def linear_bytes_formula(b, s, h, q, d, elem=4):
+    """Docs formula (docs/tensor_parallel.md, 2D / 2.5D): bytes per rank, fwd + bwd, with bias."""
+    deep = 1 if d > 1 else 0
+    elems = 2 * b * s * h // (d * q) + 3 * h * h // q + h // q + deep * (h * h // (q * q) + h // q)
+    return elems * elem
+
+
+def linear_wire_bytes_formula(b, s, h, q, d, elem=4):
+    """Ring/chain bytes moved per rank: (q-1)/q of every broadcast and reduce,
+    2(q-1)/q of the col all_reduce, 2(d-1)/d of the dep all_reduces."""
+    summa = (q - 1) / q * (2 * b * s * h / (d * q) + 3 * h * h / q)
+    return elem * (summa + 2 * (q - 1) / q * h / q + 2 * (d - 1) / d * (h * h / q ** 2 + h / q))
+
+
+# ----------------------------------------------------------------- models
+def _gpt():
+    model = GPT.from_preset('tiny')
+    ids = torch.randint(0, 256, (8, 8), generator=_gen(21))
+    return model, (ids,), (ids,), GPTLMLoss()
+
+
+def _bert():
+    model = BERT.from_preset('tiny')
+    ids = torch.randint(0, 256, (8, 8), generator=_gen(22))
+    mask = torch.ones(8, 8, dtype=torch.long)
+    mask[:, -1] = 0
+    mask[::3, -3:] = 0
+    mlm = torch.randint(0, 256, (8, 8), generator=_gen(23))
+    mlm[:, ::3] = -100
+    nsp = torch.randint(0, 2, (8,), generator=_gen(24))
+    return model, (ids, mask), (mlm, nsp), BertPretrainingLoss()
+
+
+def _vit():
+    model = ViT.from_preset('tiny')
+    images = torch.randn(8, 1, 8, 8, generator=_gen(25))
+    labels = torch.randint(0, 10, (8,), generator=_gen(26))
+    return model, (images,), (labels,), col_nn.CrossEntropyLoss()
+
+
+MODELS = {'gpt': _gpt, 'bert': _bert, 'vit': _vit}
+
+
+def _rows(t, part):
+    if part is None:
+        return t
+    index, parts = part
+    return t.chunk(parts, dim=0)[index]
+
+
+def _full_logits(out):
+    outs = out if isinstance(out, tuple) else (out,)
+    with torch.no_grad():
+        return [col_nn.gather_logits(o) for o in outs]
+
+
+def run_model(name, state=None, part=None, steps=3):
+    """Loss, logits and gradients of the first step, parameters after ``steps`` AdamW steps.
+
+    ``part=(index, parts)``: this data-parallel replica's rows of the batch."""
+    torch.manual_seed(200)
+    model, inputs, targets, criterion = MODELS[name]()
+    if state is not None:
+        model.load_state_dict(state)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs = [_rows(t, part) for t in inputs]
+    targets = [_rows(t, part) for t in targets]
+    # eps=1e-6: the attention key bias has a mathematically zero gradient (softmax is
+    # shift-invariant), so its gradient is rounding noise (~1e-9) that eps=1e-8 would
+    # amplify into lr-sized, layout-dependent steps
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
+    first = {}
+    for step in range(steps):
+        opt.zero_grad()
+        out = model(*inputs)
+        loss = criterion(out, *targets)
+        loss.backward()
+        if part is not None:
+            allreduce_gradients(model.parameters())
+        if step == 0:
+            first['loss'] = loss.detach()
+            for n, logits in enumerate(_full_logits(out)):
+                first[f'logits{n}'] = logits
+            for pname, p in model.named_parameters():
+                first[f'grad:{pname}'] = gather_full(p.grad, p)
+        opt.step()
+    final = {f'param:{k}': v for k, v in model.state_dict().items()}
+    return first, final, initial
+
+
+def model_references():
+    return {name: run_model(name) for name in MODELS}
+
+
+def check_models(rank, refs, data_parallel=False):
+    """Every model vs serial: loss, logits, every gradient, parameters after 3 AdamW steps."""
+    part = None
+    if data_parallel:
+        part = (gpc.get_local_rank(ParallelMode.DATA), gpc.get_world_size(ParallelMode.DATA))
+    worst = {}
+    for name, (first, final, initial) in refs.items():
+        got_first, got_final, _ = run_model(name, initial, part)
+        if part is not None:  # this replica's rows; its loss is the mean over them
+            got_first['loss'] = C.all_reduce(got_first['loss'], ParallelMode.DATA) / part[1]
+            first = {k: (_rows(v, part) if k.startswith('logits') else v) for k, v in first.items()}
+        diffs = {**compare(got_first, first), **compare(got_final, final)}
+        key = max(diffs, key=diffs.get)
+        worst[name] = (diffs[key], key, len(diffs))
+    return worst
