@@ -8,7 +8,7 @@ CUDA build.
 from setuptools import find_packages, setup
 
 EXTRAS = {
-    'test': ['pytest>=7', 'pytest-timeout>=2', 'scikit-learn>=1.3'],
+    'test': ['pytest>=7', 'pytest-timeout>=2', 'scikit-learn>=1.3', 'transformers>=4.40'],
     'hf': ['transformers>=4.40', 'tokenizers>=0.15'],
     'dev': ['matplotlib>=3.7', 'tqdm>=4.60', 'scikit-learn>=1.3'],
 }
@@ -19,7 +19,7 @@ setup(
     version='0.1.0',
     description='Data, pipeline, 1D/2D/2.5D/3D tensor and sequence parallel training on PyTorch',
     packages=find_packages(include=['colossal_lite', 'colossal_lite.*', 'model_zoo', 'model_zoo.*']),
-    package_data={'colossal_lite': ['data/*.txt']},
+    package_data={'colossal_lite': ['data/shakespeare/*.txt']},
     python_requires='>=3.9',
     install_requires=['torch>=2.1', 'numpy', 'tqdm'],
     extras_require=EXTRAS,

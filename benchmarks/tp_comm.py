@@ -3,7 +3,7 @@
 Measured with ``comm_profile`` on 4 and 8 local gloo ranks for every available mode
 (1D; 2D; 2.5D; 3D when ``colossal_lite.nn.parallel_3d`` exists), printed next to the
 closed-form count derived from the per-layer formulas of docs/tensor_parallel.md and
-docs/tensor_parallel_3d.md, and that formula extrapolated to 64 ranks.
+docs/tensor_parallel.md, 3D section, and that formula extrapolated to 64 ranks.
 
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/tp_comm.py`` -> benchmarks/results/tp_comm.json
 """

@@ -168,7 +168,7 @@ def _dropout_and_error_checks(out, cube):
 
 
 def linear_bytes(b, s, h_in, h_out, q, bias=True, keep_gathered=False, elem=4):
-    """Per-rank buffer bytes of one 3D Linear forward+backward (docs/tensor_parallel_3d.md)."""
+    """Per-rank buffer bytes of one 3D Linear forward+backward (docs/tensor_parallel.md, 3D section)."""
     acts = 2 * b * s * (h_in + h_out) / q ** 2        # x, y, dy, dx gathers / scatters
     weights = 2 * h_in * h_out / q ** 2                # all_gather A, reduce_scatter dA
     biases = 2 * h_out / q if bias else 0              # all_gather b, reduce_scatter db
