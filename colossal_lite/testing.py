@@ -11,6 +11,7 @@ tensors, numbers, dicts and lists of them.
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue as queue_module
 import os
 import socket
 import time
@@ -66,6 +67,23 @@ def _child(rank, world_size, port, config, fn, args, queue, collective_timeout):
             pass
 
 
+_EXIT_GRACE_S = 10.0
+
+
+def _check_exited(procs, pending, exited_at):
+    """Fail for a pending rank that exited: at once on a non-zero code, and after a grace
+    period (its result may still be in the pipe) on code 0."""
+    now = time.monotonic()
+    for r in sorted(pending):
+        code = procs[r].exitcode
+        if code is None:
+            continue
+        if code != 0:
+            raise ChildFailed(f'rank {r} exited with code {code} without reporting')
+        if now - exited_at.setdefault(r, now) > _EXIT_GRACE_S:
+            raise ChildFailed(f'rank {r} exited normally but its result never arrived')
+
+
 def run_distributed(fn: Callable, world_size: int, config: Optional[dict] = None, *args,
                     timeout: float = 120.0, collective_timeout: float = 60.0) -> List[Any]:
     """Fork ``world_size`` launched ranks running ``fn(rank, *args)``; results by rank."""
@@ -79,6 +97,7 @@ def run_distributed(fn: Callable, world_size: int, config: Optional[dict] = None
         p.start()
     results: List[Any] = [None] * world_size
     pending = set(range(world_size))
+    exited_at: dict = {}
     deadline = time.monotonic() + timeout
     try:
         while pending:
@@ -88,11 +107,8 @@ def run_distributed(fn: Callable, world_size: int, config: Optional[dict] = None
                                    f'within {timeout:.0f} s')
             try:
                 rank, status, payload = queue.get(timeout=min(remaining, 1.0))
-            except Exception:
-                dead = [r for r in pending if not procs[r].is_alive() and procs[r].exitcode]
-                if dead:
-                    raise ChildFailed(f'rank {dead[0]} exited with code '
-                                      f'{procs[dead[0]].exitcode} without reporting')
+            except queue_module.Empty:
+                _check_exited(procs, pending, exited_at)
                 continue
             if status == 'error':
                 raise ChildFailed(f'rank {rank} of {world_size} raised:\n{payload}')

@@ -1,0 +1,33 @@
+"""Sequence parallelism (mode 'sequence'): replicated weights, split sequence, ring self-attention.
+
+Every kind of ``nn/registry.py`` is registered here explicitly; per-token layers
+are the 1D layers over a one-rank group (``LayerNorm1D``, the 1D linear).
+"""
+from ..parallel_1d import LayerNorm1D
+from ..registry import register
+from .layers import (RingAttentionCore, SequenceClassifier, SequenceDropout, SequenceEmbedding,
+                     SequencePatchEmbedding, SequenceVocabClassifier, check_sequence_length,
+                     local_block, sequence_axis, sequence_axis_of, sequence_linear,
+                     tag_sequence_split)
+from .losses import (SequenceCrossEntropyLoss, first_token_sequence, gather_logits_sequence,
+                     scale_grad)
+from .ring import RingAV, RingQK, ring_attention
+
+register('sequence', 'linear')(sequence_linear)
+register('sequence', 'layernorm')(LayerNorm1D)
+register('sequence', 'embedding')(SequenceEmbedding)
+register('sequence', 'vocab_parallel_embedding')(SequenceEmbedding)
+register('sequence', 'classifier')(SequenceClassifier)
+register('sequence', 'vocab_parallel_classifier')(SequenceVocabClassifier)
+register('sequence', 'patch_embedding')(SequencePatchEmbedding)
+register('sequence', 'dropout')(SequenceDropout)
+register('sequence', 'cross_entropy')(SequenceCrossEntropyLoss)
+register('sequence', 'attention_core')(RingAttentionCore)
+register('sequence', 'gather_logits')(gather_logits_sequence)
+register('sequence', 'first_token')(first_token_sequence)
+
+__all__ = ['RingAttentionCore', 'SequenceClassifier', 'SequenceDropout', 'SequenceEmbedding',
+           'SequencePatchEmbedding', 'SequenceVocabClassifier', 'SequenceCrossEntropyLoss',
+           'RingAV', 'RingQK', 'ring_attention', 'check_sequence_length', 'local_block',
+           'sequence_axis', 'sequence_axis_of', 'sequence_linear', 'tag_sequence_split',
+           'first_token_sequence', 'gather_logits_sequence', 'scale_grad']

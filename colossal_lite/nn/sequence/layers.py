@@ -1,0 +1,178 @@
+"""Sequence parallelism: the model is replicated, the sequence is split over SEQUENCE (P ranks).
+
+Standard layout: an activation ``[b, s, h]`` lives on rank r as its contiguous
+sub-sequence ``[b, s/P, h]`` (positions ``r*s/P .. (r+1)*s/P - 1``). Every weight is
+replicated (full shape, serial keys, no ShardSpec entry). Per-token layers
+(Linear, LayerNorm, MLP, Dropout) are the 1D layers over a one-rank group, acting
+on the local sub-sequence; only attention (ring self-attention, ``ring.py``),
+the losses over the split sequence, ``gather_logits`` and ``first_token``
+communicate.
+
+Per-sample activations (``[b, h]`` after :func:`first_token`, NSP / class logits)
+are replicated on the P ranks. Gradient convention (docs/architecture.md): each
+rank's parameter gradient covers its own sub-sequence, and the gradient handler
+sums over SEQUENCE_DP; so a loss over replicated logits back-propagates ``1/P`` of
+its gradient on every rank (the P shares sum to one).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc, seed
+from ..parallel_1d import (AttentionCore1D, Classifier1D, Dropout1D, Embedding1D,
+                           PatchEmbedding1D, VocabParallelClassifier1D, linear_1d)
+from .ring import ring_attention
+
+SERIAL_1D = ProcessGroupAxis.serial(ParallelMode.PARALLEL_1D)
+SEQUENCE_AXIS_ATTR = '_cl_sequence_axis'
+
+
+def sequence_axis() -> ProcessGroupAxis:
+    """SEQUENCE when the launched mode is 'sequence', else a one-rank stand-in."""
+    if gpc.tensor_mode == 'sequence':
+        return gpc.axis(ParallelMode.SEQUENCE)
+    return ProcessGroupAxis.serial(ParallelMode.SEQUENCE)
+
+
+def check_sequence_length(length: int, axis: ProcessGroupAxis, what: str = 'sequence length'):
+    if length % axis.size:
+        raise ValueError(f'sequence parallelism needs the {what} divisible by the SEQUENCE group '
+                         f'size P={axis.size}, got {length}')
+
+
+def local_block(x: torch.Tensor, axis: ProcessGroupAxis, dim: int = 1,
+                what: str = 'sequence length') -> torch.Tensor:
+    """This rank's contiguous block of ``dim`` (a view; no communication either way:
+    the positions of other ranks get zero gradient here and are completed by the
+    SEQUENCE_DP gradient sum)."""
+    length = x.shape[dim]
+    check_sequence_length(length, axis, what)
+    n = length // axis.size
+    return x.narrow(dim, axis.rank * n, n)
+
+
+def tag_sequence_split(t: torch.Tensor, axis: ProcessGroupAxis) -> torch.Tensor:
+    """Mark ``t`` as split along dim 1 over ``axis`` (read by the loss and gather_logits)."""
+    if axis.size > 1:
+        setattr(t, SEQUENCE_AXIS_ATTR, axis)
+    return t
+
+
+def sequence_axis_of(t: torch.Tensor) -> Optional[ProcessGroupAxis]:
+    return getattr(t, SEQUENCE_AXIS_ATTR, None)
+
+
+def sequence_linear(in_features: int, out_features: int, bias: bool = True,
+                    region: Optional[str] = None, **kwargs):
+    """Per-token linear on the local sub-sequence: the 1D linear over a one-rank group.
+    Weight [out, in] and bias [out] replicated; ``region`` changes nothing. No communication."""
+    kwargs.pop('axis', None)
+    return linear_1d(in_features, out_features, bias, region, axis=SERIAL_1D, **kwargs)
+
+
+class SequenceEmbedding(Embedding1D):
+    """Full ids ``[b, s]`` (tokens, positions or token types) -> ``[b, s/P, h]``.
+
+    Weight [V, h] replicated (the vocabulary is not split in sequence mode, so this
+    also serves VocabParallelEmbedding). The ids are cut to this rank's block
+    before the lookup, so position ids keep their global values. No communication.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 axis: Optional[ProcessGroupAxis] = None, **kwargs):
+        super().__init__(num_embeddings, embedding_dim, padding_idx, axis=SERIAL_1D, **kwargs)
+        self.seq_axis = axis or sequence_axis()
+
+    def forward(self, ids):
+        return super().forward(local_block(ids, self.seq_axis))
+
+
+class _TagsSequence:
+    """Mixin: outputs of a ``[b, s/P, h]`` input are tagged as sequence-split."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return tag_sequence_split(out, self.seq_axis) if x.dim() >= 3 else out
+
+
+class SequenceClassifier(_TagsSequence, Classifier1D):
+    """Logits of every class: weight [C, h], bias [C] replicated; input ``[b, s/P, h]``
+    -> ``[b, s/P, C]`` (tagged sequence-split) or ``[b, h]`` -> ``[b, C]`` (replicated).
+    No communication."""
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = True, weight=None,
+                 axis: Optional[ProcessGroupAxis] = None, **kwargs):
+        super().__init__(in_features, num_classes, bias, weight, axis=SERIAL_1D, **kwargs)
+        self.seq_axis = axis or sequence_axis()
+
+
+class SequenceVocabClassifier(_TagsSequence, VocabParallelClassifier1D):
+    """LM head: weight [V, h] (tied to the embedding) and bias [V] replicated, the
+    vocabulary is not split; ``[b, s/P, h] -> [b, s/P, V]`` tagged sequence-split.
+    No communication."""
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = False, weight=None,
+                 axis: Optional[ProcessGroupAxis] = None, **kwargs):
+        super().__init__(in_features, num_classes, bias, weight, axis=SERIAL_1D, **kwargs)
+        self.seq_axis = axis or sequence_axis()
+
+
+class SequenceDropout(Dropout1D):
+    """Dropout. Sequence-split activations (dim >= 3) draw from the TENSOR (= SEQUENCE)
+    stream, whose seed differs per sequence rank; replicated per-sample ones (dim < 3)
+    from the default stream, equal on every rank. No communication."""
+
+    def __init__(self, p: float = 0.5, inside_region: bool = False,
+                 axis: Optional[ProcessGroupAxis] = None):
+        super().__init__(p, inside_region, axis=axis or sequence_axis())
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        split = x.dim() >= 3 and self.axis.size > 1
+        with seed(ParallelMode.TENSOR) if split else contextlib.nullcontext():
+            return F.dropout(x, self.p, True)
+
+
+class SequencePatchEmbedding(PatchEmbedding1D):
+    """Images ``[b, C, H, W]`` (full, replicated) -> tokens ``[b, (1 + patches)/P, h]``.
+
+    Conv weights, class token and positions replicated; every rank embeds the whole
+    image and keeps its block of tokens (the gradient of the other blocks is
+    completed by the SEQUENCE_DP sum). No communication.
+    """
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int,
+                 axis: Optional[ProcessGroupAxis] = None, **kwargs):
+        super().__init__(img_size, patch_size, in_chans, embed_size, **kwargs)
+        self.seq_axis = axis or sequence_axis()
+        check_sequence_length(1 + self.num_patches, self.seq_axis,
+                              'number of tokens (1 class token + patches)')
+
+    def forward(self, images):
+        return local_block(super().forward(images), self.seq_axis, 1,
+                           'number of tokens (1 class token + patches)')
+
+
+class RingAttentionCore(AttentionCore1D):
+    """softmax(QK^T/sqrt(d) + mask)V with q, k, v ``[b, s/P, n*d]`` (all heads, own block).
+
+    Ring self-attention (``ring.py``): forward 2(P-1) ring exchanges (k, v blocks of
+    ``[b*n, s/P, d]``), backward 4(P-1). ``key_padding_mask`` is the user's full
+    ``[b, s]`` mask; causal masking compares global positions across ring blocks.
+    Local scores/probabilities ``[b, n, s/P, s]``; attention dropout draws from the
+    per-rank TENSOR stream.
+    """
+
+    def __init__(self, head_dim: int, causal: bool = False, dropout: float = 0.0,
+                 axis: Optional[ProcessGroupAxis] = None):
+        super().__init__(head_dim, causal, dropout, axis=axis or sequence_axis())
+
+    def forward(self, q, k, v, key_padding_mask=None):
+        return ring_attention(q, k, v, self.head_dim, self.axis, causal=self.causal,
+                              key_padding_mask=key_padding_mask,
+                              dropout_p=self.dropout if self.training else 0.0, rng=self.rng)
