@@ -27,13 +27,14 @@ from .collective import AxisLike, resolve
 
 class _CopyTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
+    def forward(ctx, x, axis, grad_inplace=False):
+        ctx.axis, ctx.grad_inplace = axis, grad_inplace
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_reduce(grad, ctx.axis), None
+        inplace = ctx.grad_inplace and grad.is_contiguous()
+        return C.all_reduce(grad, ctx.axis, inplace=inplace), None, None
 
 
 class _ReduceFrom(torch.autograd.Function):
@@ -95,10 +96,14 @@ def _skip(axis: AxisLike):
     return ax, ax.size == 1
 
 
-def copy_to(x: torch.Tensor, axis: AxisLike) -> torch.Tensor:
-    """Identity forward; gradients summed over the group backward."""
+def copy_to(x: torch.Tensor, axis: AxisLike, grad_inplace: bool = False) -> torch.Tensor:
+    """Identity forward; gradients summed over the group backward.
+
+    ``grad_inplace=True`` all-reduces the incoming gradient in place instead of a copy;
+    only for an output whose sole consumer makes a fresh gradient (e.g. a linear layer).
+    """
     ax, trivial = _skip(axis)
-    return x if trivial else _CopyTo.apply(x, ax)
+    return x if trivial else _CopyTo.apply(x, ax, grad_inplace)
 
 
 def reduce_from(x: torch.Tensor, axis: AxisLike) -> torch.Tensor:

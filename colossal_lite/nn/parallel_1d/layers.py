@@ -69,7 +69,8 @@ class ColumnLinear1D(ShardedModule):
                                       bias_init or linear_bias_init(in_features), dtype) if bias else None
 
     def forward(self, x):
-        y = F.linear(copy_to(x, self.axis), self.weight, self.bias)
+        # F.linear's input gradient is a fresh tensor: all-reduce it without a copy
+        y = F.linear(copy_to(x, self.axis, grad_inplace=True), self.weight, self.bias)
         return gather_from(y, self.axis, -1) if self.gather_output else y
 
 

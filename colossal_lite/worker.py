@@ -1,0 +1,139 @@
+"""One rank of ``colossal-lite train``: launch from the launcher's environment, build the
+job of the config (``colossal_lite/job.py``), train it through ``initialize`` + ``Trainer``,
+and print the report on rank 0.
+
+Printed on rank 0: the loss (mean over data-parallel replicas) every ``train.log_every``
+steps, the throughput (tokens/s for GPT, samples/s for ViT, global), the peak memory
+of every rank (peak RSS on CPU, max allocated on CUDA), the bytes every rank sent
+into collectives per ParallelMode during training (buffer bytes as counted by
+``colossal_lite.communication``, summed over ranks; the few bytes of the metric
+hooks' own reductions included), the evaluation result (validation loss, and
+accuracy for ViT) and a final ``summary:`` line with the first and last loss.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Optional
+
+import torch
+
+from .communication import all_gather, total_stats
+from .config import load_config
+from .context import ParallelMode, global_context as gpc
+from .launch import launch_from_torch
+from .trainer import hooks as H
+
+# ParallelMode names in a fixed order for the byte table (gathered as one tensor)
+_MODES = [m for m in ParallelMode]
+
+
+def _print0(*args):
+    if gpc.get_global_rank() == 0:
+        print(*args, flush=True)
+
+
+class _LossHistory(H.BaseHook):
+    """Keeps (step, loss) of every step, after LossHook has averaged it over replicas."""
+
+    priority = H.METRIC_PRIORITY + 1
+
+    def before_train(self, trainer):
+        self.losses = []
+
+    def after_train_iter(self, trainer, output, label, loss):
+        self.losses.append(trainer.metrics['loss'])
+
+
+def _gathered_report():
+    """(peak MiB per rank, {mode name: bytes summed over ranks}); one GLOBAL all_gather."""
+    mine = [H.peak_memory_mb()] + [float(total_stats.bytes(mode=m)) for m in _MODES]
+    table = all_gather(torch.tensor([mine], dtype=torch.float64, device=gpc.device),
+                       ParallelMode.GLOBAL).cpu()
+    peaks = table[:, 0].tolist()
+    sums = table[:, 1:].sum(dim=0).tolist()
+    return peaks, {m.name: int(b) for m, b in zip(_MODES, sums) if b > 0}
+
+
+def _report(trainer, spec, history: _LossHistory, elapsed: float):
+    peaks, comm = _gathered_report()
+    m = trainer.metrics
+    unit = 'tokens/s' if spec.kind == 'gpt' else 'samples/s'
+    rate = m.get('tokens_per_s' if spec.kind == 'gpt' else 'samples_per_s', float('nan'))
+    _print0(f'throughput: {rate:.1f} {unit} (global), {m.get("step_time_s", float("nan")):.3f} '
+            f's/step, ~{m.get("tflops", 0.0) * 1e3:.3f} GFLOPS model estimate')
+    _print0('peak memory per rank (MiB): ' + ', '.join(f'rank {r}: {p:.0f}' for r, p in enumerate(peaks)))
+    _print0('bytes communicated per ParallelMode (all ranks): ' +
+            (', '.join(f'{k}: {v / 2**20:.2f} MiB' for k, v in sorted(comm.items())) or 'none'))
+    evals = [f'{k}={m[k]:.4f}' for k in ('test_loss', 'test_accuracy') if k in m]
+    if evals:
+        _print0('evaluation: ' + ' '.join(evals))
+    first, last = history.losses[0], history.losses[-1]
+    _print0(f'summary: steps={trainer.cur_step} first_loss={first:.4f} last_loss={last:.4f} '
+            f'({"fell" if last < first else "did not fall"}) wall={elapsed:.1f}s')
+
+
+def train(cfg) -> dict:
+    """Train the launched config's job; returns the trainer's metrics (every rank)."""
+    from . import initialize
+    from .job import (build_criterion, build_data, build_model, build_optimizer,
+                      build_scheduler, parse_job)
+    from .trainer import Trainer
+    spec = parse_job(cfg)
+    model = build_model(spec.model)
+    train_dl, test_dl, _ = build_data(spec, gpc.device)
+    optimizer = build_optimizer(spec, model)
+    steps_per_epoch = len(train_dl) // int(cfg.get('gradient_accumulation', 1))
+    total = spec.train['steps'] or spec.train['epochs'] * steps_per_epoch
+    epochs = max(1, math.ceil(total / max(1, steps_per_epoch)))
+    scheduler = build_scheduler(spec, optimizer, total)
+    engine, train_dl, test_dl, scheduler = initialize(model, optimizer, build_criterion(spec),
+                                                      train_dl, test_dl, scheduler)
+    history = _LossHistory()
+    hooks = [H.LossHook(), history, H.ThroughputHook(warmup=2), H.LRSchedulerHook(scheduler),
+             H.LogMetricByStepHook(spec.train['log_every'], printer=_print0)]
+    if spec.kind == 'vit':
+        hooks += [H.AccuracyHook(), H.LogMetricByEpochHook(printer=_print0)]
+    params = H.full_parameter_count(engine.model)
+    _print0(f'model: {spec.kind} {params / 1e6:.2f}M parameters; {total} steps of global batch '
+            f'{spec.train["global_batch_size"]} x {int(cfg.get("gradient_accumulation", 1))} '
+            f'micro-batches; {steps_per_epoch} steps per epoch')
+    total_stats.reset()
+    start = time.perf_counter()
+    trainer = Trainer(engine)
+    trainer.fit(train_dl, epochs=epochs, max_steps=total, hooks=hooks,
+                test_dataloader=test_dl if spec.kind == 'vit' else None)
+    elapsed = time.perf_counter() - start
+    if spec.kind == 'gpt':
+        trainer.evaluate(_limited(test_dl, spec.train['eval_batches']), hooks=[H.LossHook()])
+    _report(trainer, spec, history, elapsed)
+    return trainer.metrics
+
+
+class _limited:
+    """The first ``n`` batches of a loader (all when n is None)."""
+
+    def __init__(self, loader, n: Optional[int]):
+        self.loader, self.n = loader, n
+
+    def __iter__(self):
+        for i, batch in enumerate(self.loader):
+            if self.n is not None and i >= self.n:
+                return
+            yield batch
+
+
+def worker_main(config_path: str, steps: Optional[int] = None):
+    """Entry point of each process the elastic launcher starts."""
+    os.environ['OMP_NUM_THREADS'] = '1'
+    torch.set_num_threads(1)
+    cfg = load_config(config_path)
+    if steps is not None:
+        cfg['train'] = dict(cfg.get('train') or {}, steps=steps)
+    backend = cfg.get('backend') or ('nccl' if torch.cuda.is_available() else 'gloo')
+    launch_from_torch(cfg, backend=backend)
+    try:
+        return train(gpc.config)
+    finally:
+        gpc.destroy()
