@@ -141,3 +141,25 @@ def test_load_state_dict_rejects_a_wrong_full_shape():
     config = dict(parallel=dict(tensor=dict(size=2, mode='1d')))
     with pytest.raises(Exception, match=r"expected the full \(serial\) tensor"):
         run_distributed(_load_wrong_shape, 2, config, timeout=300)
+
+
+def _column_under_autocast(rank):
+    torch.manual_seed(0)
+    layer = ColumnLinear1D(H, 2 * H, gather_output=True)
+    x = _x().requires_grad_()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        y = layer(x)
+    (y.float() ** 2).sum().backward()
+    return y.detach().float(), x.grad, full_gradients(layer)
+
+
+def test_column_linear_under_bf16_autocast_equals_serial():
+    """The overlapped backward casts like autocast: same bf16 results as the serial layer."""
+    ey, edx, egrads = _column_under_autocast(0)
+    config = dict(parallel=dict(tensor=dict(size=2, mode='1d')))
+    for y, dx, grads in run_distributed(_column_under_autocast, 2, config, timeout=300):
+        assert y.dtype == torch.float32 and max_rel_diff(y, ey) < 1e-2
+        assert dx.dtype == torch.float32 and max_rel_diff(dx, edx) < 2e-2
+        for key in egrads:
+            assert grads[key].dtype == torch.float32
+            assert max_rel_diff(grads[key], egrads[key]) < 2e-2, key

@@ -27,14 +27,13 @@ from .collective import AxisLike, resolve
 
 class _CopyTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, grad_inplace=False):
-        ctx.axis, ctx.grad_inplace = axis, grad_inplace
+    def forward(ctx, x, axis):
+        ctx.axis = axis
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        inplace = ctx.grad_inplace and grad.is_contiguous()
-        return C.all_reduce(grad, ctx.axis, inplace=inplace), None, None
+        return C.all_reduce(grad, ctx.axis), None
 
 
 class _ReduceFrom(torch.autograd.Function):
@@ -96,14 +95,10 @@ def _skip(axis: AxisLike):
     return ax, ax.size == 1
 
 
-def copy_to(x: torch.Tensor, axis: AxisLike, grad_inplace: bool = False) -> torch.Tensor:
-    """Identity forward; gradients summed over the group backward.
-
-    ``grad_inplace=True`` all-reduces the incoming gradient in place instead of a copy;
-    only for an output whose sole consumer makes a fresh gradient (e.g. a linear layer).
-    """
+def copy_to(x: torch.Tensor, axis: AxisLike) -> torch.Tensor:
+    """Identity forward; gradients summed over the group backward."""
     ax, trivial = _skip(axis)
-    return x if trivial else _CopyTo.apply(x, ax, grad_inplace)
+    return x if trivial else _CopyTo.apply(x, ax)
 
 
 def reduce_from(x: torch.Tensor, axis: AxisLike) -> torch.Tensor:

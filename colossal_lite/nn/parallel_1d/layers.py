@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...communication import copy_to, gather_from, reduce_from, split_to
+from ...communication import gather_from, reduce_from, split_to
 from ...communication.collective import check_divisible
 from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc, seed
 from ...tensor import ShardSpec, ShardedModule, get_spec, sharded_parameter
 from ..functional import tag_vocab_parallel
+from .overlap import column_matmul
 
 Init = Callable[[torch.Tensor], object]
 
@@ -51,7 +52,8 @@ class ColumnLinear1D(ShardedModule):
     """y = x A^T + b with A split by output rows: weight [out, in] -> [out/p, in], bias [out/p].
 
     Input replicated [.., in]; output [.., out/p] (or gathered [.., out]).
-    Forward: none (all_gather of y if ``gather_output``). Backward: all_reduce of dx.
+    Forward: none (all_gather of y if ``gather_output``). Backward: all_reduce of dx,
+    overlapped with the weight-gradient matmul (``overlap.py``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -69,8 +71,7 @@ class ColumnLinear1D(ShardedModule):
                                       bias_init or linear_bias_init(in_features), dtype) if bias else None
 
     def forward(self, x):
-        # F.linear's input gradient is a fresh tensor: all-reduce it without a copy
-        y = F.linear(copy_to(x, self.axis, grad_inplace=True), self.weight, self.bias)
+        y = column_matmul(x, self.weight, self.bias, self.axis)
         return gather_from(y, self.axis, -1) if self.gather_output else y
 
 
@@ -209,7 +210,7 @@ class VocabParallelClassifier1D(ShardedModule):
                                       dtype) if bias else None
 
     def forward(self, x):
-        logits = F.linear(copy_to(x, self.axis), self.weight, self.bias)
+        logits = column_matmul(x, self.weight, self.bias, self.axis)
         return tag_vocab_parallel(logits, self.axis) if self.axis.size > 1 else logits
 
 
