@@ -5,7 +5,7 @@ launched tensor mode, how weights and activations are split.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn

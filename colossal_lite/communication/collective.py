@@ -8,7 +8,7 @@ the identity and communicates nothing. ``async_op=True`` returns a
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Union
 
 import torch
 import torch.distributed as dist

@@ -1,7 +1,7 @@
 """Point-to-point messages inside a group, addressed by local rank, each counted."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist

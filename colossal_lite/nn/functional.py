@@ -64,6 +64,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index)
 
 
+def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                            vocab_axis: Optional[ProcessGroupAxis],
+                            ignore_index: int = -100) -> torch.Tensor:
+    """Flat per-token losses ``[N]`` of logits ``[.., C]`` (split along the classes over
+    ``vocab_axis``, or whole when it is None) against labels ``[..]`` of the same leading shape."""
+    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if vocab_axis is None:
+        return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=ignore_index,
+                               reduction='none')
+    return vocab_parallel_cross_entropy(flat_logits, flat_labels, vocab_axis, ignore_index)
+
+
 def tag_vocab_parallel(logits: torch.Tensor, axis: ProcessGroupAxis) -> torch.Tensor:
     """Mark logits as split along the vocabulary over ``axis`` (read by the losses)."""
     setattr(logits, VOCAB_AXIS_ATTR, axis)

@@ -5,12 +5,11 @@ import contextlib
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...communication import gather_from
 from ...context import ParallelMode, ProcessGroupAxis, seed
-from ..functional import attention, vocab_axis_of, vocab_parallel_cross_entropy
+from ..functional import attention, per_token_cross_entropy, vocab_axis_of
 from .layers import default_axis
 
 
@@ -56,14 +55,8 @@ class CrossEntropyLoss1D(nn.Module):
             raise ValueError(f'logits {tuple(logits.shape)} and labels {tuple(labels.shape)} '
                              f'disagree: logits must be labels.shape + (classes,)')
         vocab_axis = resolve_vocab_axis(logits, self.vocab_parallel, self.axis)
-        flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-        if vocab_axis is not None:
-            per_token = vocab_parallel_cross_entropy(flat_logits, flat_labels, vocab_axis,
-                                                     self.ignore_index)
-        else:
-            per_token = F.cross_entropy(flat_logits.float(), flat_labels,
-                                        ignore_index=self.ignore_index, reduction='none')
-        out = token_mean(per_token, flat_labels, self.ignore_index, self.reduction)
+        per_token = per_token_cross_entropy(logits, labels, vocab_axis, self.ignore_index)
+        out = token_mean(per_token, labels.reshape(-1), self.ignore_index, self.reduction)
         return out.view(labels.shape) if self.reduction == 'none' else out
 
 

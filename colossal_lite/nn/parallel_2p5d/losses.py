@@ -9,13 +9,12 @@ import contextlib
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...communication import collective as C
 from ...communication import gather_from, reduce_from
 from ...context import ParallelMode, seed
-from ..functional import attention, vocab_axis_of, vocab_parallel_cross_entropy
+from ..functional import attention, per_token_cross_entropy, vocab_axis_of
 from ..parallel_1d.losses import resolve_vocab_axis
 from .grid import Grid2p5D, resolve_grid
 
@@ -46,20 +45,14 @@ class CrossEntropyLoss2p5D(nn.Module):
                              f'local labels {tuple(local_labels.shape)} (full labels '
                              f'{tuple(labels.shape)} split over d*q = {grid.d * grid.q})')
         vocab_axis = resolve_vocab_axis(logits, self.vocab_parallel, grid.row)
-        flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), local_labels.reshape(-1)
-        if vocab_axis is not None:
-            per_token = vocab_parallel_cross_entropy(flat_logits, flat_labels, vocab_axis,
-                                                     self.ignore_index)
-        else:
-            per_token = F.cross_entropy(flat_logits.float(), flat_labels,
-                                        ignore_index=self.ignore_index, reduction='none')
+        per_token = per_token_cross_entropy(logits, local_labels, vocab_axis, self.ignore_index)
         if self.reduction == 'none':
             per_token = per_token.view(local_labels.shape)
             return gather_from(gather_from(per_token, grid.col, 0), grid.dep, 0)
         total = reduce_from(reduce_from(per_token.sum(), grid.col), grid.dep)
         if self.reduction == 'sum':
             return total
-        count = (flat_labels != self.ignore_index).sum().to(total.dtype)
+        count = (local_labels != self.ignore_index).sum().to(total.dtype)
         count = C.all_reduce(C.all_reduce(count, grid.col), grid.dep)
         return total / count
 

@@ -11,12 +11,11 @@ import contextlib
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...communication import gather_from, reduce_from
 from ...context import ParallelMode, seed
-from ..functional import attention, vocab_parallel_cross_entropy
+from ..functional import attention, per_token_cross_entropy
 from ..parallel_1d.losses import token_mean
 from .cube import Cube3D, default_cube, gather_batch, split_batch
 from .layers import LOGITS_LAYOUT_ATTR
@@ -64,13 +63,7 @@ class CrossEntropyLoss3D(nn.Module):
             raise ValueError(f'labels {tuple(labels.shape)} do not match the logits: local logits '
                              f'{tuple(logits.shape)} need local labels {tuple(logits.shape[:-1])}, '
                              f'got {tuple(local_labels.shape)}')
-        flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), local_labels.reshape(-1)
-        if vocab is not None:
-            per_token = vocab_parallel_cross_entropy(flat_logits, flat_labels, vocab,
-                                                     self.ignore_index)
-        else:
-            per_token = F.cross_entropy(flat_logits.float(), flat_labels,
-                                        ignore_index=self.ignore_index, reduction='none')
+        per_token = per_token_cross_entropy(logits, local_labels, vocab, self.ignore_index)
         if self.reduction == 'none':
             return gather_batch(per_token.view(local_labels.shape), batch)
         total = per_token.sum()

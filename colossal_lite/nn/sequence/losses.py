@@ -18,12 +18,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...communication import collective as C
 from ...communication import gather_from, reduce_from
 from ...context import ProcessGroupAxis
+from ..functional import per_token_cross_entropy
 from ..parallel_1d.losses import token_mean
 from .layers import local_block, sequence_axis, sequence_axis_of
 
@@ -76,16 +76,12 @@ class SequenceCrossEntropyLoss(nn.Module):
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if not self._is_split(logits, labels):
-            per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                        labels.reshape(-1), ignore_index=self.ignore_index,
-                                        reduction='none')
+            per_token = per_token_cross_entropy(logits, labels, None, self.ignore_index)
             out = token_mean(per_token, labels.reshape(-1), self.ignore_index, self.reduction)
             out = out.view(labels.shape) if self.reduction == 'none' else out
             return scale_grad(out, 1.0 / self.axis.size)
         local = local_block(labels, self.axis, 1, 'label sequence length')
-        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                    local.reshape(-1), ignore_index=self.ignore_index,
-                                    reduction='none')
+        per_token = per_token_cross_entropy(logits, local, None, self.ignore_index)
         if self.reduction == 'none':
             return per_token.view(local.shape)
         count = (local != self.ignore_index).sum().to(per_token.dtype)
