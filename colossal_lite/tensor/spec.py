@@ -83,6 +83,20 @@ def sharded_parameter(full_shape: Sequence[int], spec: ShardSpec,
     return set_spec(torch.nn.Parameter(spec.shard(full)), spec)
 
 
+def tied_or_new_parameter(weight: Optional[torch.nn.Parameter], full_shape: Sequence[int],
+                          spec: ShardSpec, init: Callable[[torch.Tensor], object],
+                          dtype: Optional[torch.dtype] = None) -> torch.nn.Parameter:
+    """``weight`` itself when given (a tied weight, which must already be cut by ``spec``),
+    else a new :func:`sharded_parameter`."""
+    if weight is None:
+        return sharded_parameter(full_shape, spec, init, dtype)
+    if get_spec(weight) != spec or tuple(weight.shape) != spec.local_shape(full_shape):
+        raise ValueError(f'a tied weight must be sharded as {spec} with local shape '
+                         f'{spec.local_shape(full_shape)}, got {get_spec(weight)} and '
+                         f'{tuple(weight.shape)}')
+    return weight
+
+
 def gather_full(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Gather ``tensor`` (a local shard, e.g. a gradient) with the spec of parameter ``like``."""
     return get_spec(like).gather(tensor)

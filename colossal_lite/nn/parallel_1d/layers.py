@@ -20,7 +20,7 @@ from torch import nn
 from ...communication import gather_from, reduce_from, split_to
 from ...communication.collective import check_divisible
 from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc, seed
-from ...tensor import ShardSpec, ShardedModule, get_spec, sharded_parameter
+from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
 from ..functional import tag_vocab_parallel
 from .overlap import column_matmul
 
@@ -178,16 +178,6 @@ class Embedding1D(ShardedModule):
         return gather_from(F.embedding(ids, self.weight, self.padding_idx), self.axis, -1)
 
 
-def _tied_or_new(weight: Optional[nn.Parameter], full_shape, spec: ShardSpec, init: Init, dtype):
-    if weight is None:
-        return sharded_parameter(full_shape, spec, init, dtype)
-    if get_spec(weight) != spec or tuple(weight.shape) != spec.local_shape(full_shape):
-        raise ValueError(f'a tied classifier weight must be sharded as {spec} with local shape '
-                         f'{spec.local_shape(full_shape)}, got {get_spec(weight)} and '
-                         f'{tuple(weight.shape)}')
-    return weight
-
-
 class VocabParallelClassifier1D(ShardedModule):
     """Logits with the classes split: weight [C, h] -> [C/p, h], bias [C/p]; input replicated.
 
@@ -204,7 +194,7 @@ class VocabParallelClassifier1D(ShardedModule):
         _check(num_classes, self.axis.size, 'VocabParallelClassifier num_classes')
         self.in_features, self.num_classes = in_features, num_classes
         spec = ShardSpec.of((0, self.axis))
-        self.weight = _tied_or_new(weight, (num_classes, in_features), spec,
+        self.weight = tied_or_new_parameter(weight, (num_classes, in_features), spec,
                                    weight_init or linear_weight_init(in_features), dtype)
         self.bias = sharded_parameter((num_classes,), spec, bias_init or linear_bias_init(in_features),
                                       dtype) if bias else None
@@ -230,7 +220,7 @@ class Classifier1D(ShardedModule):
         self.axis = axis or default_axis()
         _check(in_features, self.axis.size, 'Classifier in_features (1D row split)')
         self.in_features, self.num_classes = in_features, num_classes
-        self.weight = _tied_or_new(weight, (num_classes, in_features), ShardSpec.of((1, self.axis)),
+        self.weight = tied_or_new_parameter(weight, (num_classes, in_features), ShardSpec.of((1, self.axis)),
                                    weight_init or linear_weight_init(in_features), dtype)
         self.bias = sharded_parameter((num_classes,), ShardSpec(),
                                       bias_init or linear_bias_init(in_features), dtype) if bias else None

@@ -18,9 +18,9 @@ from torch import nn
 
 from ...communication import copy_to, reduce_from, reduce_scatter_to
 from ...context import ParallelMode, seed
-from ...tensor import ShardSpec, ShardedModule, sharded_parameter
+from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
 from ..functional import tag_vocab_parallel
-from ..parallel_1d.layers import (Init, PatchEmbedding1D, _embedding_init, _tied_or_new,
+from ..parallel_1d.layers import (Init, PatchEmbedding1D, _embedding_init,
                                   linear_bias_init, linear_weight_init)
 from .grid import Grid2p5D, resolve_grid
 from .summa import summa_linear
@@ -53,7 +53,7 @@ class SummaAffine2p5D(ShardedModule):
         self.grid.check_hidden(in_features, 'in_features')
         self.grid.check_hidden(out_features, 'out_features')
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _tied_or_new(weight, (out_features, in_features), block_spec(self.grid),
+        self.weight = tied_or_new_parameter(weight, (out_features, in_features), block_spec(self.grid),
                                    weight_init or linear_weight_init(in_features), dtype)
         self.bias = sharded_parameter((out_features,), hidden_spec(self.grid, 0),
                                       bias_init or linear_bias_init(in_features),
@@ -108,7 +108,7 @@ class Classifier2p5D(ShardedModule):
         self.grid = resolve_grid(grid)
         self.grid.check_hidden(in_features, 'Classifier in_features')
         self.in_features, self.num_classes = in_features, num_classes
-        self.weight = _tied_or_new(weight, (num_classes, in_features), hidden_spec(self.grid, 1),
+        self.weight = tied_or_new_parameter(weight, (num_classes, in_features), hidden_spec(self.grid, 1),
                                    weight_init or linear_weight_init(in_features), dtype)
         self.bias = sharded_parameter((num_classes,), ShardSpec(),
                                       bias_init or linear_bias_init(in_features),

@@ -20,7 +20,7 @@ from torch import nn
 from ...communication import collective as C
 from ...communication import reduce_from, reduce_scatter_to
 from ...context import ParallelMode, seed
-from ...tensor import ShardSpec, ShardedModule, get_spec, sharded_parameter
+from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
 from .._grid import shared_over
 from ..functional import tag_vocab_parallel
 from ..parallel_1d.layers import _embedding_init, linear_bias_init, linear_weight_init
@@ -92,16 +92,6 @@ def _gather_operands(x, weight, orient: Orientation):
     return x_pending.wait(), w_pending.wait()
 
 
-def _tied_or_new(weight, full_shape, spec: ShardSpec, init: Init, dtype):
-    if weight is None:
-        return sharded_parameter(full_shape, spec, init, dtype)
-    if get_spec(weight) != spec or tuple(weight.shape) != spec.local_shape(full_shape):
-        raise ValueError(f'a tied 3D weight must be sharded as {spec} with local shape '
-                         f'{spec.local_shape(full_shape)}, got {get_spec(weight)} and '
-                         f'{tuple(weight.shape)}')
-    return weight
-
-
 class Linear3D(ShardedModule):
     """y = x A^T + b on the cube. Weight ``[out, in] -> [out/q^2, in/q]``, bias ``[out] -> [out/q^2]``.
 
@@ -135,7 +125,7 @@ class Linear3D(ShardedModule):
         self.in_features, self.out_features, self.region = in_features, out_features, region
         self.keep_gathered = keep_gathered
         self.orient = self.cube.exit if region == 'exit' else self.cube.enter
-        self.weight = _tied_or_new(weight, (out_features, in_features), self.orient.weight_spec,
+        self.weight = tied_or_new_parameter(weight, (out_features, in_features), self.orient.weight_spec,
                                    weight_init or linear_weight_init(in_features), dtype)
         self.bias = sharded_parameter((out_features,), self.orient.bias_spec,
                                       bias_init or linear_bias_init(in_features), dtype) if bias else None
@@ -182,7 +172,7 @@ class Classifier3D(ShardedModule):
         self.cube = default_cube(cube)
         _check(in_features, self.cube.q, 'Classifier in_features', self.cube.q)
         self.in_features, self.num_classes = in_features, num_classes
-        self.weight = _tied_or_new(weight, (num_classes, in_features),
+        self.weight = tied_or_new_parameter(weight, (num_classes, in_features),
                                    ShardSpec.of((1, self.cube.output)),
                                    weight_init or linear_weight_init(in_features), dtype)
         self.bias = sharded_parameter((num_classes,), ShardSpec(),
