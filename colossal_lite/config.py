@@ -247,15 +247,32 @@ def validate_config(config: Mapping) -> Config:
     return Config(config)
 
 
+def _read_config_file(path: str, chain: tuple = ()) -> dict:
+    """The top-level names of a config file, on top of those of its ``_base_`` file."""
+    if not path.endswith('.py'):
+        raise ConfigError(f"a config file must be a .py file, got '{path}'")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: '{path}'")
+    if os.path.abspath(path) in chain:
+        raise ConfigError(f"config files include each other in a loop: {' -> '.join(chain + (path,))}")
+    names = runpy.run_path(path)
+    own = {k: v for k, v in names.items()
+           if not k.startswith('_') and not callable(v) and not hasattr(v, '__file__')}
+    base = names.get('_base_')
+    if base is None:
+        return own
+    merged = _read_config_file(os.path.join(os.path.dirname(path), base),
+                               chain + (os.path.abspath(path),))
+    merged.update(own)
+    return merged
+
+
 def load_config(config: Any) -> Config:
-    """A dict, a :class:`Config` or a path to a ``.py`` file -> a validated :class:`Config`."""
+    """A dict, a :class:`Config` or a path to a ``.py`` file -> a validated :class:`Config`.
+
+    A file may name another with ``_base_ = 'file.py'`` (relative to itself): the base's
+    top-level names come first and the file's own names replace them key by key.
+    """
     if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        if not path.endswith('.py'):
-            raise ConfigError(f"a config file must be a .py file, got '{path}'")
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file not found: '{path}'")
-        names = runpy.run_path(path)
-        config = {k: v for k, v in names.items()
-                  if not k.startswith('_') and not callable(v) and not hasattr(v, '__file__')}
+        config = _read_config_file(os.fspath(config))
     return validate_config(config)

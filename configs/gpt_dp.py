@@ -3,11 +3,5 @@ every global batch of 16).
 
     colossal-lite train configs/gpt_dp.py --nproc 2
 """
+_base_ = '_gpt_shakespeare.py'  # the shared GPT job; this file picks the layout
 parallel = dict(data=2)
-model = dict(type='gpt', preset='tiny', hidden=192, layers=3, heads=6, max_positions=128,
-             dropout=0.0)
-data = dict(type='shakespeare', seq_len=128, val_fraction=0.05)
-train = dict(global_batch_size=16, steps=300, log_every=25, eval_batches=8)
-optimizer = dict(type='adamw', lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
-lr_scheduler = dict(type='cosine', warmup_steps=20, min_lr_ratio=0.1)
-clip_grad_norm = 1.0

@@ -73,3 +73,14 @@ def test_config_file_errors(tmp_path):
         load_config(str(tmp_path / 'missing.py'))
     with pytest.raises(ConfigError, match='must be a .py file'):
         load_config(str(tmp_path / 'cfg.yaml'))
+
+
+def test_config_file_with_a_base(tmp_path):
+    (tmp_path / '_job.py').write_text("model = dict(type='gpt', hidden=8)\nclip_grad_norm = 1.0\n")
+    (tmp_path / 'run.py').write_text("_base_ = '_job.py'\nclip_grad_norm = 2.0\n"
+                                     "parallel = dict(tensor=dict(size=2, mode='1d'))\n")
+    cfg = load_config(str(tmp_path / 'run.py'))
+    assert cfg.model.hidden == 8 and cfg.clip_grad_norm == 2.0 and cfg.parallel.tensor.size == 2
+    (tmp_path / 'loop.py').write_text("_base_ = 'loop.py'\n")
+    with pytest.raises(ConfigError, match='include each other in a loop'):
+        load_config(str(tmp_path / 'loop.py'))
