@@ -32,7 +32,7 @@ Step = Callable[..., Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
 
 
 def summa_loop(q: int, operands: Sequence[Operand], step: Step,
-          reduce_axis: Optional[ProcessGroupAxis] = None):
+               reduce_axis: Optional[ProcessGroupAxis] = None):
     """The SUMMA loop: ``for m in range(q)``, broadcast each operand from member m of its
     group, call ``step(*blocks) -> (term, partial)``; terms are summed locally, partials
     reduced onto member m of ``reduce_axis``. Returns (sum of terms, my reduced partial)."""
@@ -72,7 +72,7 @@ class SummaLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
         _, y = summa_loop(grid.q, [(weight, grid.col)], lambda w: (None, x2 @ w.t()),
-                     reduce_axis=grid.row)
+                          reduce_axis=grid.row)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
