@@ -175,3 +175,33 @@ def test_torch_grad_scaler_skips_overflow_on_every_rank():
             run_distributed(_torch_scaler_worker, 2, config, ref, batch, timeout=300)):
         assert skipped and moved, (rank, skipped, moved)
         assert scales == [128.0, 128.0], (rank, scales)
+
+
+_NEAR_LIMIT = dict(fp16=dict(mode='naive', initial_scale=40000.0))
+
+
+def _near_fp16_limit_step(rank=None):
+    """A scaled fp16 gradient of 40000 per replica: fits in fp16, but a sum over two
+    replicas before averaging (80000) would not."""
+    import colossal_lite as clt
+    from colossal_lite.context import ParallelMode, global_context as gpc
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = {} if rank is not None else dict(config=_NEAR_LIMIT)
+    engine, *_ = clt.initialize(model, optimizer, lambda out: out.float().mean(), **kwargs)
+    x = torch.ones(4, 1)
+    if rank is not None:
+        x = x.chunk(gpc.get_world_size(ParallelMode.DATA))[gpc.get_local_rank(ParallelMode.DATA)]
+    engine.zero_grad()
+    engine.execute_schedule((x, None))
+    engine.step()
+    return engine.overflow, engine.model.weight.float().item()
+
+
+def test_data_parallel_fp16_gradients_are_averaged_before_they_are_summed():
+    expected = _near_fp16_limit_step()
+    assert expected[0] is False
+    for result in run_distributed(_near_fp16_limit_step, 2, _NEAR_LIMIT, timeout=300):
+        assert result == expected

@@ -5,9 +5,9 @@ gradient is the gradient of the *local replica's* loss with respect to its
 local shard, complete over the tensor-parallel group -- except in sequence
 mode, where each rank's gradient covers only its sub-sequence. So:
 
-* data parallelism: ``g <- sum_DATA(g) / data_size`` (replicas see different
+* data parallelism: ``g <- sum_DATA(g / data_size)`` (replicas see different
   batches and each loss is a mean over its batch);
-* sequence mode: ``g <- sum_SEQUENCE_DP(g) / data_size`` (the SEQUENCE part of the
+* sequence mode: ``g <- sum_SEQUENCE_DP(g / data_size)`` (the SEQUENCE part of the
   sum completes the gradient, the DATA part averages replicas).
 
 Gradients are flattened into buckets of ``bucket_bytes`` (one dtype per bucket),
@@ -57,8 +57,8 @@ def allreduce_gradients(parameters: Iterable[torch.nn.Parameter],
     scale = 1.0 / gpc.get_world_size(ParallelMode.DATA)
     grads = [p.grad for p in parameters if p.grad is not None]
     for bucket in buckets(grads, bucket_bytes):
-        flat = C.all_reduce(_flatten_dense_tensors(bucket), axis, inplace=True)
-        flat.mul_(scale)
+        # divide before summing, so half-precision sums stay in range as in the serial model
+        flat = C.all_reduce(_flatten_dense_tensors(bucket).mul_(scale), axis, inplace=True)
         for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             grad.copy_(synced)
 
@@ -86,7 +86,7 @@ def broadcast_parameters(module: torch.nn.Module, bucket_bytes: int = DEFAULT_BU
 class GradientReducer:
     """Bucketed data-parallel gradient all-reduce that overlaps backward.
 
-    Same result as :func:`allreduce_gradients` (``g <- sum_axis(g) / data_size``).
+    Same result as :func:`allreduce_gradients` (``g <- sum_axis(g / data_size)``).
     Parameters are bucketed in reverse registration order (roughly the order
     backward produces their gradients), ``bucket_bytes`` per bucket and one
     dtype each. With ``overlap=True`` a post-accumulate-grad hook marks each
@@ -144,7 +144,7 @@ class GradientReducer:
 
     def _launch(self, index: int):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[index]]
-        flat = _flatten_dense_tensors(grads)
+        flat = _flatten_dense_tensors(grads).mul_(self.scale)  # divide before summing: fp16 range
         self._pending[index] = C.all_reduce(flat, self.axis, async_op=True, inplace=True)
 
     def synchronize(self):
@@ -157,7 +157,7 @@ class GradientReducer:
             if index not in self._pending:
                 self._launch(index)
         for index, bucket in enumerate(self.buckets):
-            flat = self._pending[index].wait().mul_(self.scale)
+            flat = self._pending[index].wait()
             for p, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 if p.grad is not None:
                     p.grad.copy_(synced)
