@@ -93,6 +93,11 @@ def _positive_int(value, key: str) -> int:
     return int(value)
 
 
+def _positive_finite(value) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, numbers.Real)
+            and math.isfinite(value) and value > 0)
+
+
 def _integer_root(n: int, power: int) -> Optional[int]:
     root = round(n ** (1.0 / power))
     for cand in (root - 1, root, root + 1):
@@ -220,8 +225,18 @@ def validate_config(config: Mapping) -> Config:
         if fp16.get('dtype', 'float16') not in ('float16', 'bfloat16'):
             raise ConfigError(f"'fp16.dtype' must be 'float16' or 'bfloat16', got {fp16.get('dtype')!r}")
         for key in ('initial_scale', 'growth_factor', 'min_scale', 'max_scale'):
-            if key in fp16 and not (isinstance(fp16[key], numbers.Real) and fp16[key] > 0):
-                raise ConfigError(f"'fp16.{key}' must be a positive number, got {fp16[key]!r}")
+            if key in fp16 and not _positive_finite(fp16[key]):
+                raise ConfigError(f"'fp16.{key}' must be a positive finite number, got {fp16[key]!r}")
+        if 'growth_factor' in fp16 and not fp16['growth_factor'] > 1:
+            raise ConfigError(f"'fp16.growth_factor' must be > 1, got {fp16['growth_factor']!r}")
+        low, high = fp16.get('min_scale'), fp16.get('max_scale')
+        start = fp16.get('initial_scale')
+        if low is not None and high is not None and low > high:
+            raise ConfigError(f"'fp16.min_scale' = {low} must not exceed 'fp16.max_scale' = {high}")
+        if start is not None and ((low is not None and start < low)
+                                  or (high is not None and start > high)):
+            raise ConfigError(f"'fp16.initial_scale' = {start} must lie in "
+                              f"[min_scale, max_scale] = [{low}, {high}]")
         if 'backoff_factor' in fp16 and not (isinstance(fp16['backoff_factor'], numbers.Real)
                                              and 0 < fp16['backoff_factor'] < 1):
             raise ConfigError(f"'fp16.backoff_factor' must be in (0, 1), got {fp16['backoff_factor']!r}")
@@ -232,16 +247,15 @@ def validate_config(config: Mapping) -> Config:
     for key in ('gradient_accumulation', 'num_microbatches'):
         if key in config:
             _positive_int(config[key], key)
-    if 'clip_grad_norm' in config:
-        value = config['clip_grad_norm']
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 \
-                or math.isinf(value):
-            raise ConfigError(f"'clip_grad_norm' must be a positive finite number, got {value!r}")
+    if 'clip_grad_norm' in config and not _positive_finite(config['clip_grad_norm']):
+        raise ConfigError(f"'clip_grad_norm' must be a positive finite number, "
+                          f"got {config['clip_grad_norm']!r}")
     if 'seed' in config and (isinstance(config['seed'], bool)
                              or not isinstance(config['seed'], numbers.Integral)):
         raise ConfigError(f"'seed' must be an integer, got {config['seed']!r}")
-    if 'timeout' in config and not (isinstance(config['timeout'], numbers.Real) and config['timeout'] > 0):
-        raise ConfigError(f"'timeout' must be a positive number of seconds, got {config['timeout']!r}")
+    if 'timeout' in config and not _positive_finite(config['timeout']):
+        raise ConfigError(f"'timeout' must be a positive finite number of seconds, "
+                          f"got {config['timeout']!r}")
     if 'backend' in config and config['backend'] not in ('gloo', 'nccl', None):
         raise ConfigError(f"'backend' must be 'gloo' or 'nccl', got {config['backend']!r}")
     return Config(config)
@@ -255,7 +269,11 @@ def _read_config_file(path: str, chain: tuple = ()) -> dict:
         raise ConfigError(f"config file not found: '{path}'")
     if os.path.abspath(path) in chain:
         raise ConfigError(f"config files include each other in a loop: {' -> '.join(chain + (path,))}")
-    names = runpy.run_path(path)
+    try:
+        names = runpy.run_path(path)
+    except Exception as err:  # a config is user code: report its failure as a config error
+        raise ConfigError(f"config file '{path}' could not be run: "
+                          f"{type(err).__name__}: {err}") from err
     own = {k: v for k, v in names.items()
            if not k.startswith('_') and not callable(v) and not hasattr(v, '__file__')}
     base = names.get('_base_')

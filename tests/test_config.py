@@ -25,6 +25,11 @@ BAD_CONFIGS = [
     (dict(num_microbatches='4'), "got '4'"),
     (dict(seed='abc'), "'seed' must be an integer"),
     (dict(backend='mpi'), "'backend' must be 'gloo' or 'nccl'"),
+    (dict(timeout=float('inf')), "'timeout' must be a positive finite number of seconds, got inf"),
+    (dict(timeout=True), 'got True'),
+    (dict(fp16=dict(mode='naive', growth_factor=1)), "'fp16.growth_factor' must be > 1, got 1"),
+    (dict(fp16=dict(mode='naive', initial_scale=0.5, min_scale=1)), 'must lie in [min_scale, max_scale] = [1, None]'),
+    (dict(fp16=dict(mode='naive', initial_scale=True)), 'got True'),
 ]
 
 
@@ -69,6 +74,12 @@ def test_user_constants_pass_and_attribute_access(tmp_path):
 
 
 def test_config_file_errors(tmp_path):
+    (tmp_path / 'broken.py').write_text('x = = 1\n')
+    with pytest.raises(ConfigError, match="could not be run: SyntaxError"):
+        load_config(str(tmp_path / 'broken.py'))
+    (tmp_path / 'undefined.py').write_text("parallel = dict(tensor=dict(mode=onedee))\n")
+    with pytest.raises(ConfigError, match="NameError: name 'onedee' is not defined"):
+        load_config(str(tmp_path / 'undefined.py'))
     with pytest.raises(ConfigError, match='not found'):
         load_config(str(tmp_path / 'missing.py'))
     with pytest.raises(ConfigError, match='must be a .py file'):
