@@ -134,13 +134,18 @@ def full_gradients(model) -> dict:
 
 
 def max_rel_diff(actual, expected) -> float:
-    """max |actual - expected| / max(1, max |expected|): the suite's fp32 comparison measure."""
+    """max |actual - expected| / max(1, max |expected|): the suite's fp32 comparison measure
+    (infinite when either side holds a NaN or an infinity)."""
     import torch
     actual, expected = torch.as_tensor(actual).float(), torch.as_tensor(expected).float()
     if actual.shape != expected.shape:
         raise AssertionError(f'shape {tuple(actual.shape)} != expected {tuple(expected.shape)}')
-    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
-    return (actual - expected).abs().max().item() / scale if expected.numel() else 0.0
+    if not expected.numel():
+        return 0.0
+    if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
+        return float('inf')  # NaN compares False with any tolerance: never let it pass
+    scale = max(1.0, expected.abs().max().item())
+    return (actual - expected).abs().max().item() / scale
 
 
 def assert_close_dict(actual: dict, expected: dict, tol: float = 1e-5, what: str = ''):

@@ -13,7 +13,7 @@ from colossal_lite.engine import allreduce_gradients
 from colossal_lite.nn import gather_logits
 from colossal_lite.nn.functional import attention
 from colossal_lite.tensor import gather_full
-from colossal_lite.testing import run_distributed
+from colossal_lite.testing import max_rel_diff, run_distributed
 
 B, S, H, HEADS = 2, 16, 32, 4          # ring attention case: batch, sequence, hidden, heads
 TOL = 1e-5
@@ -23,9 +23,9 @@ def seq_config(p):
     return dict(parallel=dict(tensor=dict(mode='sequence', size=p)))
 
 
-def rel_diff(a, b) -> float:
+def rel_diff(a, b) -> float:  # NaN-safe: see colossal_lite.testing.max_rel_diff
     """max |a - b| / max(1, max |b|): the fp32 comparison measure."""
-    return float((a.float() - b.float()).abs().max()) / max(1.0, float(b.abs().max()))
+    return max_rel_diff(a, b)
 
 
 # ----------------------------------------------------------------- formulas (docs/sequence_parallel.md)

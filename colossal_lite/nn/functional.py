@@ -64,6 +64,20 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index)
 
 
+def matmul_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of ``tensors`` runs in: autocast's when autocast is on for their
+    device, else their promoted dtype. Custom autograd functions record it in forward and
+    run backward in it (backward runs outside autocast), returning gradients in the
+    inputs' own dtypes."""
+    device_type = tensors[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
                             vocab_axis: Optional[ProcessGroupAxis],
                             ignore_index: int = -100) -> torch.Tensor:

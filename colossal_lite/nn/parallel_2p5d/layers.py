@@ -141,9 +141,10 @@ class LayerNorm2p5D(ShardedModule):
         return copy_to(total, self.grid.row) / self.normalized_shape
 
     def forward(self, x):
-        centered = x - self._row_mean(x)
+        x32 = x.float()  # statistics in fp32, as torch's LayerNorm: rsqrt'^3 overflows fp16
+        centered = x32 - self._row_mean(x32)
         var = self._row_mean(centered * centered)
-        y = centered * torch.rsqrt(var + self.eps)
+        y = (centered * torch.rsqrt(var + self.eps)).to(x.dtype)
         return y * self.grid.shared(self.weight) + self.grid.shared(self.bias)
 
 

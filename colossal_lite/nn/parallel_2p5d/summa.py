@@ -25,6 +25,7 @@ import torch
 
 from ...communication import collective as C
 from ...context import ProcessGroupAxis
+from ..functional import matmul_dtype
 from .grid import Grid2p5D
 
 Operand = Tuple[torch.Tensor, ProcessGroupAxis]
@@ -69,6 +70,7 @@ class SummaLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, grid: Grid2p5D):
         ctx.grid = grid
+        ctx.dtypes, ctx.compute_dtype = (x.dtype, weight.dtype), matmul_dtype(x, weight)
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
         _, y = summa_loop(grid.q, [(weight, grid.col)], lambda w: (None, x2 @ w.t()),
@@ -77,19 +79,20 @@ class SummaLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        compute = ctx.compute_dtype
+        x, weight = (t.to(compute) for t in ctx.saved_tensors)
         grid = ctx.grid
         need_dx = ctx.needs_input_grad[0]
         x2 = x.reshape(-1, x.shape[-1])
-        dy2 = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
+        dy2 = grad_y.to(compute).reshape(-1, grad_y.shape[-1]).contiguous()
         operands = [(dy2, grid.row)] + ([(weight, grid.col)] if need_dx else [])
 
         def step(dy_m, w_m=None):
             return (dy_m @ w_m if need_dx else None), dy_m.t() @ x2
 
         dx, dw = summa_loop(grid.q, operands, step, reduce_axis=grid.col)
-        dw = C.all_reduce(dw, grid.dep)
-        return (dx.view_as(x) if need_dx else None), dw, None
+        dw = C.all_reduce(dw, grid.dep).to(ctx.dtypes[1])
+        return (dx.view_as(x).to(ctx.dtypes[0]) if need_dx else None), dw, None
 
 
 def summa_linear(x: torch.Tensor, weight: torch.Tensor, grid: Grid2p5D) -> torch.Tensor:

@@ -22,7 +22,7 @@ from ...communication import reduce_from, reduce_scatter_to
 from ...context import ParallelMode, seed
 from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
 from .._grid import shared_over
-from ..functional import tag_vocab_parallel
+from ..functional import matmul_dtype, tag_vocab_parallel
 from ..parallel_1d.layers import _embedding_init, linear_bias_init, linear_weight_init
 from .cube import (ActLayout, Cube3D, Orientation, check_batch, default_cube, split_batch,
                    sum_partials, swap_layout)
@@ -64,6 +64,8 @@ class _CubeLinear(torch.autograd.Function):
             y = y + b_pending.wait()
         ctx.save_for_backward(*((x_full, w_full) if keep_gathered else (x, weight)))
         ctx.orient, ctx.has_bias, ctx.keep_gathered = orient, bias is not None, keep_gathered
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.compute_dtype = matmul_dtype(x, weight)
         return y
 
     @staticmethod
@@ -74,15 +76,18 @@ class _CubeLinear(torch.autograd.Function):
             x_full, w_full = ctx.saved_tensors
         else:
             x_full, w_full = _gather_operands(*ctx.saved_tensors, orient)
-        dy_full = dy_pending.wait()
+        compute = ctx.compute_dtype  # backward runs outside autocast: use forward's dtype
+        x_full, w_full = x_full.to(compute), w_full.to(compute)
+        dy_full = dy_pending.wait().to(compute)
         dy2 = dy_full.reshape(-1, dy_full.shape[-1])
         dw = dy2.t().mm(x_full.reshape(-1, x_full.shape[-1]))
         dw_pending = C.reduce_scatter(dw, orient.w_gather, 0, async_op=True)
         db_pending = C.reduce_scatter(dy2.sum(0), orient.w_gather, 0, async_op=True) \
             if ctx.has_bias else None
         dx = C.reduce_scatter(dy_full.matmul(w_full), orient.x_gather, 0)
-        db = db_pending.wait() if db_pending is not None else None
-        return dx, dw_pending.wait(), db, None, None
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        db = db_pending.wait().to(b_dtype) if db_pending is not None else None
+        return dx.to(x_dtype), dw_pending.wait().to(w_dtype), db, None, None
 
 
 def _gather_operands(x, weight, orient: Orientation):
@@ -206,10 +211,11 @@ class LayerNorm3D(ShardedModule):
 
     def forward(self, x):
         axis, tokens = self.cube.output, (self.cube.input_x_weight,)
-        mean = sum_partials(x.sum(-1, keepdim=True), axis) / self.normalized_shape
-        centered = x - mean
+        x32 = x.float()  # statistics in fp32, as torch's LayerNorm: rsqrt'^3 overflows fp16
+        mean = sum_partials(x32.sum(-1, keepdim=True), axis) / self.normalized_shape
+        centered = x32 - mean
         var = sum_partials((centered * centered).sum(-1, keepdim=True), axis) / self.normalized_shape
-        normed = centered * torch.rsqrt(var + self.eps)
+        normed = (centered * torch.rsqrt(var + self.eps)).to(x.dtype)
         return normed * shared_over(self.weight, tokens) + shared_over(self.bias, tokens)
 
 

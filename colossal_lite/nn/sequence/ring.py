@@ -175,6 +175,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: 
     if mask is not None:
         scores = scores.masked_fill(~mask, float('-inf'))
     probs = torch.softmax(scores, dim=-1)
+    if mask is not None:  # a query with no key to attend to gets zeros, as in the serial SDPA
+        probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
     if dropout_p > 0:
         with rng():
             probs = F.dropout(probs, dropout_p, True)
