@@ -28,8 +28,10 @@ def _run_layer(module, inp, loss_of=lambda y: (y * y).sum() / 2):
         inp = inp.clone().requires_grad_()
     torch.manual_seed(0)
     y = module(inp)
-    loss_of(col_nn.gather_logits(y) if hasattr(y, '_cl_vocab_axis') else y).backward()
-    return (col_nn.gather_logits(y).detach(), inp.grad if inp.is_floating_point() else None,
+    if hasattr(y, '_cl_vocab_axis'):  # classifier logits: the full serial logits
+        y = col_nn.gather_logits(y)
+    loss_of(y).backward()
+    return (y.detach(), inp.grad if inp.is_floating_point() else None,
             full_gradients(module), module.state_dict())
 
 

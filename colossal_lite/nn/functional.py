@@ -90,14 +90,43 @@ def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     return vocab_parallel_cross_entropy(flat_logits, flat_labels, vocab_axis, ignore_index)
 
 
-def tag_vocab_parallel(logits: torch.Tensor, axis: ProcessGroupAxis) -> torch.Tensor:
-    """Mark logits as split along the vocabulary over ``axis`` (read by the losses)."""
-    setattr(logits, VOCAB_AXIS_ATTR, axis)
+def tag_vocab_parallel(logits: torch.Tensor, axis: Optional[ProcessGroupAxis]) -> torch.Tensor:
+    """Mark a classifier's logits: split along the classes over ``axis``, or whole (None).
+
+    The mark is a plain attribute of this tensor object: slicing, views, ``.detach()`` and
+    module hooks return new tensors without it, which :func:`require_logits_tag` reports."""
+    setattr(logits, VOCAB_AXIS_ATTR, axis if axis is not None and axis.size > 1 else None)
     return logits
 
 
 def vocab_axis_of(logits: torch.Tensor) -> Optional[ProcessGroupAxis]:
     return getattr(logits, VOCAB_AXIS_ATTR, None)
+
+
+def require_logits_tag(logits: torch.Tensor, what: str):
+    """Under tensor parallelism an untagged tensor may be a class shard: refuse to guess."""
+    if not hasattr(logits, VOCAB_AXIS_ATTR):
+        raise ValueError(
+            f'{what} needs the logits returned by a colossal_lite Classifier or '
+            f'VocabParallelClassifier; this tensor has lost their layout (slicing, views, '
+            f'.detach() and module hooks drop it). Slice the labels instead of the logits, '
+            f'call gather_logits on the classifier output first, or pass vocab_parallel=True/False')
+
+
+def check_ids(ids: torch.Tensor, num_embeddings: int, what: str = 'embedding'):
+    """Every id in [0, num_embeddings). Run on the user's full ids, which every rank holds,
+    so all ranks raise together before any collective."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_embeddings):
+        bad = ids[(ids < 0) | (ids >= num_embeddings)][0].item()
+        raise IndexError(f'{what}: index {bad} is out of range for {num_embeddings} embeddings')
+
+
+def check_targets(labels: torch.Tensor, num_classes: int, ignore_index: int):
+    """Every label in [0, num_classes) or ``ignore_index``; run on the full labels (see check_ids)."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= num_classes))
+    if bad.any():
+        raise IndexError(f'target {labels[bad][0].item()} is out of bounds for {num_classes} '
+                         f'classes (ignore_index={ignore_index})')
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,

@@ -21,7 +21,7 @@ from ...communication import gather_from, reduce_from, split_to
 from ...communication.collective import check_divisible
 from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc, seed
 from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
-from ..functional import tag_vocab_parallel
+from ..functional import check_ids, tag_vocab_parallel
 from .overlap import column_matmul
 
 Init = Callable[[torch.Tensor], object]
@@ -140,6 +140,7 @@ class VocabParallelEmbedding1D(ShardedModule):
     def forward(self, ids):
         if self.axis.size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
+        check_ids(ids, self.num_embeddings, 'VocabParallelEmbedding')
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
         local_pad = None
@@ -201,7 +202,7 @@ class VocabParallelClassifier1D(ShardedModule):
 
     def forward(self, x):
         logits = column_matmul(x, self.weight, self.bias, self.axis)
-        return tag_vocab_parallel(logits, self.axis) if self.axis.size > 1 else logits
+        return tag_vocab_parallel(logits, self.axis)
 
 
 class Classifier1D(ShardedModule):
@@ -227,7 +228,7 @@ class Classifier1D(ShardedModule):
 
     def forward(self, x):
         y = reduce_from(F.linear(split_to(x, self.axis, -1), self.weight), self.axis)
-        return y + self.bias if self.bias is not None else y
+        return tag_vocab_parallel(y + self.bias if self.bias is not None else y, None)
 
 
 class LayerNorm1D(nn.LayerNorm):

@@ -9,7 +9,8 @@ from torch import nn
 
 from ...communication import gather_from
 from ...context import ParallelMode, ProcessGroupAxis, seed
-from ..functional import attention, per_token_cross_entropy, vocab_axis_of
+from ..functional import (attention, check_targets, per_token_cross_entropy, require_logits_tag,
+                          vocab_axis_of)
 from .layers import default_axis
 
 
@@ -18,6 +19,8 @@ def resolve_vocab_axis(logits: torch.Tensor, vocab_parallel: Optional[bool],
     """The group the logits' classes are split over: from the tag, or forced by the caller."""
     tagged = vocab_axis_of(logits)
     if vocab_parallel is None:
+        if axis.size > 1:
+            require_logits_tag(logits, 'CrossEntropyLoss(vocab_parallel=None)')
         return tagged
     if vocab_parallel:
         return tagged or axis
@@ -55,6 +58,8 @@ class CrossEntropyLoss1D(nn.Module):
             raise ValueError(f'logits {tuple(logits.shape)} and labels {tuple(labels.shape)} '
                              f'disagree: logits must be labels.shape + (classes,)')
         vocab_axis = resolve_vocab_axis(logits, self.vocab_parallel, self.axis)
+        check_targets(labels, logits.shape[-1] * (vocab_axis.size if vocab_axis else 1),
+                      self.ignore_index)
         per_token = per_token_cross_entropy(logits, labels, vocab_axis, self.ignore_index)
         out = token_mean(per_token, labels.reshape(-1), self.ignore_index, self.reduction)
         return out.view(labels.shape) if self.reduction == 'none' else out
@@ -82,6 +87,8 @@ class AttentionCore1D(nn.Module):
 def gather_logits_1d(logits: torch.Tensor) -> torch.Tensor:
     """Full logits ``[.., C]`` from vocab-split ones (all_gather; differentiable: backward
     keeps this rank's chunk of the gradient); others unchanged."""
+    if default_axis().size > 1:
+        require_logits_tag(logits, 'gather_logits')
     axis = vocab_axis_of(logits)
     return gather_from(logits, axis, -1) if axis is not None else logits
 

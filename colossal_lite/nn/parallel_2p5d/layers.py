@@ -19,7 +19,7 @@ from torch import nn
 from ...communication import copy_to, reduce_from, reduce_scatter_to
 from ...context import ParallelMode, seed
 from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
-from ..functional import tag_vocab_parallel
+from ..functional import check_ids, tag_vocab_parallel
 from ..parallel_1d.layers import (Init, PatchEmbedding1D, _embedding_init,
                                   linear_bias_init, linear_weight_init)
 from .grid import Grid2p5D, resolve_grid
@@ -88,7 +88,7 @@ class VocabParallelClassifier2p5D(SummaAffine2p5D):
 
     def forward(self, x):
         logits = super().forward(x)
-        return tag_vocab_parallel(logits, self.grid.row) if self.grid.q > 1 else logits
+        return tag_vocab_parallel(logits, self.grid.row)
 
 
 class Classifier2p5D(ShardedModule):
@@ -116,7 +116,8 @@ class Classifier2p5D(ShardedModule):
 
     def forward(self, x):
         y = reduce_from(F.linear(x, self.grid.shared(self.weight)), self.grid.row)
-        return y + self.grid.shared(self.bias) if self.bias is not None else y
+        return tag_vocab_parallel(y + self.grid.shared(self.bias) if self.bias is not None else y,
+                                  None)
 
 
 class LayerNorm2p5D(ShardedModule):
@@ -167,6 +168,7 @@ class Embedding2p5D(ShardedModule):
                                         weight_init or _embedding_init(padding_idx), dtype)
 
     def forward(self, ids):
+        check_ids(ids, self.num_embeddings, 'Embedding')
         return F.embedding(self.grid.split_batch(ids), self.grid.shared(self.weight),
                            self.padding_idx)
 
@@ -197,6 +199,7 @@ class VocabParallelEmbedding2p5D(ShardedModule):
                                         weight_init or _embedding_init(padding_idx), dtype)
 
     def forward(self, ids):
+        check_ids(ids, self.num_embeddings, 'VocabParallelEmbedding')
         ids = self.grid.split_depth(ids)
         weight = _grid_dep_shared(self.weight, self.grid)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)

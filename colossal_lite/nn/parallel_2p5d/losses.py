@@ -14,7 +14,8 @@ from torch import nn
 from ...communication import collective as C
 from ...communication import gather_from, reduce_from
 from ...context import ParallelMode, seed
-from ..functional import attention, per_token_cross_entropy, vocab_axis_of
+from ..functional import (attention, check_targets, per_token_cross_entropy, require_logits_tag,
+                          vocab_axis_of)
 from ..parallel_1d.losses import resolve_vocab_axis
 from .grid import Grid2p5D, resolve_grid
 
@@ -45,6 +46,8 @@ class CrossEntropyLoss2p5D(nn.Module):
                              f'local labels {tuple(local_labels.shape)} (full labels '
                              f'{tuple(labels.shape)} split over d*q = {grid.d * grid.q})')
         vocab_axis = resolve_vocab_axis(logits, self.vocab_parallel, grid.row)
+        check_targets(labels, logits.shape[-1] * (vocab_axis.size if vocab_axis else 1),
+                      self.ignore_index)
         per_token = per_token_cross_entropy(logits, local_labels, vocab_axis, self.ignore_index)
         if self.reduction == 'none':
             per_token = per_token.view(local_labels.shape)
@@ -91,6 +94,8 @@ def gather_logits_2p5d(logits: torch.Tensor, grid: Optional[Grid2p5D] = None) ->
     """Full ``[b, .., C]`` logits on every rank: all_gather the classes over ``row`` when
     vocab-split, then the batch over ``col`` and ``dep``."""
     grid = resolve_grid(grid)
+    if grid.q * grid.d > 1:
+        require_logits_tag(logits, 'gather_logits')
     axis = vocab_axis_of(logits)
     if axis is not None:
         logits = C.all_gather(logits, axis, dim=-1)

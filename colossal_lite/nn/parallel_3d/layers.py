@@ -22,7 +22,7 @@ from ...communication import reduce_from, reduce_scatter_to
 from ...context import ParallelMode, seed
 from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
 from .._grid import shared_over
-from ..functional import matmul_dtype, tag_vocab_parallel
+from ..functional import check_ids, matmul_dtype, tag_vocab_parallel
 from ..parallel_1d.layers import _embedding_init, linear_bias_init, linear_weight_init
 from .cube import (ActLayout, Cube3D, Orientation, check_batch, default_cube, split_batch,
                    sum_partials, swap_layout)
@@ -238,6 +238,7 @@ class Embedding3D(ShardedModule):
                                         weight_init or _embedding_init(padding_idx), dtype)
 
     def forward(self, ids):
+        check_ids(ids, self.num_embeddings, 'Embedding')
         ids = split_batch(ids, self.cube.standard, 'Embedding ids')
         weight = shared_over(self.weight, (self.cube.input_x_weight,))
         return F.embedding(ids, weight, self.padding_idx)
@@ -270,6 +271,7 @@ class VocabParallelEmbedding3D(ShardedModule):
 
     def forward(self, ids):
         check_batch(ids.shape[0], self.cube.standard, 'VocabParallelEmbedding ids')
+        check_ids(ids, self.num_embeddings, 'VocabParallelEmbedding')
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
         local_pad = None

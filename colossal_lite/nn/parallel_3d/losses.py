@@ -15,7 +15,7 @@ from torch import nn
 
 from ...communication import gather_from, reduce_from
 from ...context import ParallelMode, seed
-from ..functional import attention, per_token_cross_entropy
+from ..functional import attention, check_targets, per_token_cross_entropy
 from ..parallel_1d.losses import token_mean
 from .cube import Cube3D, default_cube, gather_batch, split_batch
 from .layers import LOGITS_LAYOUT_ATTR
@@ -63,6 +63,7 @@ class CrossEntropyLoss3D(nn.Module):
             raise ValueError(f'labels {tuple(labels.shape)} do not match the logits: local logits '
                              f'{tuple(logits.shape)} need local labels {tuple(logits.shape[:-1])}, '
                              f'got {tuple(local_labels.shape)}')
+        check_targets(labels, logits.shape[-1] * (vocab.size if vocab else 1), self.ignore_index)
         per_token = per_token_cross_entropy(logits, local_labels, vocab, self.ignore_index)
         if self.reduction == 'none':
             return gather_batch(per_token.view(local_labels.shape), batch)

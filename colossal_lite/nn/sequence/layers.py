@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc, seed
 from ..parallel_1d import (AttentionCore1D, Classifier1D, Dropout1D, Embedding1D,
                            PatchEmbedding1D, VocabParallelClassifier1D, linear_1d)
+from ..functional import check_ids
 from .ring import ring_attention
 
 SERIAL_1D = ProcessGroupAxis.serial(ParallelMode.PARALLEL_1D)
@@ -88,6 +89,7 @@ class SequenceEmbedding(Embedding1D):
         self.seq_axis = axis or sequence_axis()
 
     def forward(self, ids):
+        check_ids(ids, self.num_embeddings, 'Embedding')  # full ids: every rank raises together
         return super().forward(local_block(ids, self.seq_axis))
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from ...communication import collective as C
 from ...communication import gather_from, reduce_from
 from ...context import ProcessGroupAxis
-from ..functional import per_token_cross_entropy
+from ..functional import check_targets, per_token_cross_entropy
 from ..parallel_1d.losses import token_mean
 from .layers import local_block, sequence_axis, sequence_axis_of
 
@@ -48,9 +48,9 @@ class SequenceCrossEntropyLoss(nn.Module):
     """Cross entropy over a split sequence (see module doc); the vocabulary is never split
     in sequence mode, so ``vocab_parallel`` is accepted and ignored.
 
-    ``reduction='none'`` returns this rank's per-token losses ``[b, s/P]`` for
-    sequence-split logits. Communication: 1 all_reduce of 2 floats over SEQUENCE for
-    'mean' (and 'sum'), none for replicated logits.
+    ``reduction='none'`` returns the full per-token losses ``[b, s]`` (all_gather over
+    SEQUENCE), as the serial loss does. Communication: 1 all_reduce of 2 floats over
+    SEQUENCE for 'mean' (and 'sum'), none for replicated logits.
     """
 
     def __init__(self, ignore_index: int = -100, reduction: str = 'mean',
@@ -75,6 +75,7 @@ class SequenceCrossEntropyLoss(nn.Module):
         return False
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        check_targets(labels, logits.shape[-1], self.ignore_index)
         if not self._is_split(logits, labels):
             per_token = per_token_cross_entropy(logits, labels, None, self.ignore_index)
             out = token_mean(per_token, labels.reshape(-1), self.ignore_index, self.reduction)
@@ -82,8 +83,8 @@ class SequenceCrossEntropyLoss(nn.Module):
             return scale_grad(out, 1.0 / self.axis.size)
         local = local_block(labels, self.axis, 1, 'label sequence length')
         per_token = per_token_cross_entropy(logits, local, None, self.ignore_index)
-        if self.reduction == 'none':
-            return per_token.view(local.shape)
+        if self.reduction == 'none':  # the full [b, s] per-token losses, as the serial loss
+            return gather_from(per_token.view(local.shape), self.axis, 1)
         count = (local != self.ignore_index).sum().to(per_token.dtype)
         totals = reduce_from(torch.stack([per_token.sum(), count]), self.axis)
         if self.reduction == 'sum':
