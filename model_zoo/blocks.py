@@ -32,7 +32,8 @@ class SelfAttention(nn.Module):
         self.query = col_nn.Linear(hidden, hidden, **kw)
         self.key = col_nn.Linear(hidden, hidden, **kw)
         self.value = col_nn.Linear(hidden, hidden, **kw)
-        self.core = col_nn.AttentionCore(hidden // heads, causal=causal, dropout=dropout)
+        self.core = col_nn.AttentionCore(hidden // heads, causal=causal, dropout=dropout,
+                                         num_heads=heads)
         self.dense = col_nn.Linear(hidden, hidden, region='exit', weight_init=normal_init(init_std),
                                    bias_init=zeros_init)
 
@@ -93,7 +94,7 @@ def preset_config(presets: dict, name: str, overrides: dict, family: str) -> dic
     if name not in presets:
         raise ValueError(f"unknown {family} preset '{name}'; presets: {sorted(presets)}")
     cfg = dict(presets[name])
-    unknown = set(overrides) - set(cfg) - {'checkpoint', 'dtype'}
+    unknown = set(overrides) - set(cfg) - {'checkpoint'}
     if unknown:
         raise ValueError(f'unknown {family} options {sorted(unknown)}; options: {sorted(cfg)}')
     cfg.update(overrides)

@@ -69,3 +69,22 @@ def test_serial_loss_on_sliced_logits_still_works():
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256),
                                                  labels[:, 1:].reshape(-1))
     assert torch.allclose(col_nn.CrossEntropyLoss()(logits[:, :-1], labels[:, 1:]), expected)
+
+
+def _indivisible_heads(rank):
+    from model_zoo import GPT
+    with comm_profile() as stats:
+        try:
+            GPT.from_preset('tiny', heads=1, hidden=32)
+        except ValueError as err:
+            return str(err), stats.calls()
+    return 'built', stats.calls()
+
+
+@pytest.mark.parametrize('mode', ['1d', '2d'])
+def test_heads_not_divisible_by_the_split_fail_at_construction(mode):
+    world, parallel = LAYOUTS[mode]
+    for message, calls in run_distributed(_indivisible_heads, world, dict(parallel=parallel),
+                                          timeout=300):
+        assert '1 attention heads cannot be divided among the 2 ranks' in message
+        assert calls == 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .registry import implementation
+from .registry import current_mode, implementation
 
 
 def Linear(in_features: int, out_features: int, bias: bool = True, region: Optional[str] = None,
@@ -63,13 +63,20 @@ def Dropout(p: float = 0.5, inside_region: bool = False, **kwargs):
     return implementation('dropout')(p, inside_region=inside_region, **kwargs)
 
 
-def AttentionCore(head_dim: int, causal: bool = False, dropout: float = 0.0, **kwargs):
+def AttentionCore(head_dim: int, causal: bool = False, dropout: float = 0.0,
+                  num_heads: Optional[int] = None, **kwargs):
     """softmax(QK^T/sqrt(d) + mask)V on the q, k, v produced by 'enter' linears.
 
     ``forward(q, k, v, key_padding_mask=None)``; the mask is the user's full ``[b, s]``
-    mask (1 = attend) and is split by the family as its layout needs.
+    mask (1 = attend) and is split by the family as its layout needs. With ``num_heads``
+    the split of the heads over ranks is checked here, at construction.
     """
-    return implementation('attention_core')(head_dim, causal=causal, dropout=dropout, **kwargs)
+    core = implementation('attention_core')(head_dim, causal=causal, dropout=dropout, **kwargs)
+    split = getattr(core, 'head_split', 1)
+    if num_heads is not None and num_heads % split:
+        raise ValueError(f'{num_heads} attention heads cannot be divided among the {split} '
+                         f"ranks that split them (tensor mode {current_mode()!r})")
+    return core
 
 
 def CrossEntropyLoss(ignore_index: int = -100, reduction: str = 'mean',

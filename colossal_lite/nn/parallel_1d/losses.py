@@ -75,6 +75,11 @@ class AttentionCore1D(nn.Module):
         self.head_dim, self.causal, self.dropout = head_dim, causal, dropout
         self.axis = axis or default_axis()
 
+    @property
+    def head_split(self) -> int:
+        """Ranks the heads are divided among."""
+        return self.axis.size
+
     def rng(self):
         return seed(ParallelMode.TENSOR) if self.axis.size > 1 else contextlib.nullcontext()
 

@@ -72,6 +72,11 @@ class AttentionCore2p5D(nn.Module):
         self.head_dim, self.causal, self.dropout = head_dim, causal, dropout
         self.grid = resolve_grid(grid)
 
+    @property
+    def head_split(self) -> int:
+        """Ranks the heads are divided among (the hidden split q)."""
+        return self.grid.q
+
     def rng(self):
         return seed(ParallelMode.TENSOR) if self.grid.size > 1 else contextlib.nullcontext()
 

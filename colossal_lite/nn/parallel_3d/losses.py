@@ -89,6 +89,11 @@ class AttentionCore3D(nn.Module):
         self.head_dim, self.causal, self.dropout = head_dim, causal, dropout
         self.cube = default_cube(cube)
 
+    @property
+    def head_split(self) -> int:
+        """Ranks the heads are divided among (the hidden split q)."""
+        return self.cube.q
+
     def rng(self):
         return seed(ParallelMode.TENSOR) if self.cube.q > 1 else contextlib.nullcontext()
 

@@ -174,6 +174,8 @@ class RingAttentionCore(AttentionCore1D):
                  axis: Optional[ProcessGroupAxis] = None):
         super().__init__(head_dim, causal, dropout, axis=axis or sequence_axis())
 
+    head_split = 1  # every rank holds all heads of its sub-sequence
+
     def forward(self, q, k, v, key_padding_mask=None):
         return ring_attention(q, k, v, self.head_dim, self.axis, causal=self.causal,
                               key_padding_mask=key_padding_mask,
