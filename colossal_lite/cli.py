@@ -46,15 +46,38 @@ def check_job(config_path: str, nproc: int, steps: Optional[int]):
         raise ConfigError(f'--nproc must be a positive integer, got {nproc}')
     if steps is not None and steps < 1:
         raise ConfigError(f'--steps must be a positive integer, got {steps}')
+    from .initialize import _handler_options
     cfg = load_config(config_path)
     layout = parse_parallel(cfg.get('parallel')).with_world_size(nproc)
     spec = parse_job(cfg)
+    _handler_options(cfg)
+    if cfg.get('zero') is not None or layout.pipeline > 1:
+        raise ConfigError("'zero' and 'parallel.pipeline' > 1 are not implemented yet "
+                          "(later issues); remove them to train")
     batch = spec.train['global_batch_size']
     if batch % layout.data:
         raise ConfigError(f"'train.global_batch_size' = {batch} must be divisible by the "
                           f"data-parallel size {layout.data} (= {nproc} processes / "
                           f"(pipeline*tensor = {layout.pipeline * layout.tensor}))")
+    _check_layout_fits_job(layout, spec, batch // layout.data)
     return cfg, layout, spec
+
+
+# how many ways each tensor mode splits a replica's batch
+_BATCH_SPLIT = {'2d': lambda l: l.tensor_grid, '2.5d': lambda l: l.depth * l.tensor_grid,
+                '3d': lambda l: l.tensor_grid ** 2}
+
+
+def _check_layout_fits_job(layout, spec, replica_batch: int):
+    split = _BATCH_SPLIT.get(layout.mode, lambda l: 1)(layout)
+    if replica_batch % split:
+        raise ConfigError(f"tensor mode {layout.mode!r} splits each replica's batch of "
+                          f"{replica_batch} (global batch / data size) {split} ways: make "
+                          f"'train.global_batch_size' a multiple of {split * layout.data}")
+    seq_len = spec.data.get('seq_len')
+    if layout.mode == 'sequence' and seq_len is not None and seq_len % layout.tensor:
+        raise ConfigError(f"sequence parallelism over {layout.tensor} ranks needs "
+                          f"'data.seq_len' divisible by {layout.tensor}, got {seq_len}")
 
 
 def _error_files(err) -> List[tuple]:

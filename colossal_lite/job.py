@@ -11,6 +11,8 @@ Sections (every key optional except ``model.type`` and ``data.type``)::
                  eval_batches=None, shuffle_seed=0)
     optimizer = dict(type='adamw' | 'adam' | 'sgd', lr=1e-3, weight_decay=0.0, ...)
     lr_scheduler = dict(type='cosine' | 'constant', warmup_steps=0, min_lr_ratio=0.1)
+    checkpoint = dict(path='runs/model_{step}.pt', interval=100)  # full state dict, rank 0
+    log = dict(tensorboard='runs/tb')                             # needs the tensorboard package
 
 Every bad value raises :class:`~colossal_lite.config.ConfigError` naming the key and the value.
 """
@@ -45,6 +47,8 @@ class JobSpec:
     train: Dict[str, Any]
     optimizer: Dict[str, Any]
     lr_scheduler: Dict[str, Any] = field(default_factory=lambda: {'type': 'constant'})
+    checkpoint: Dict[str, Any] = field(default_factory=dict)
+    log: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -98,6 +102,12 @@ def _parse_data(config: Mapping, model: Mapping) -> Dict[str, Any]:
         limit = model['_resolved']['max_positions']
         data['seq_len'] = _number(data, 'seq_len', 'data', 2, limit, True, min(64, limit))
         data['val_fraction'] = _number(data, 'val_fraction', 'data', 1e-6, 0.5, default=0.05)
+        if data.get('plays') is not None:
+            from .data.text import corpus_files
+            try:
+                corpus_files(data['plays'])
+            except ValueError as err:
+                raise ConfigError(f"'data.plays': {err}") from None
     else:
         data['test_fraction'] = _number(data, 'test_fraction', 'data', 1e-6, 0.9, default=0.2)
     return data
@@ -123,7 +133,38 @@ def _parse_optimizer(config: Mapping) -> Dict[str, Any]:
     _check_keys(opt, _OPTIMIZERS[opt['type']] | {'type'}, 'optimizer.')
     opt['lr'] = _number(opt, 'lr', 'optimizer', 0.0, 10.0, default=1e-3)
     _number(opt, 'weight_decay', 'optimizer', 0.0, 1.0)
+    _number(opt, 'eps', 'optimizer', 0.0, 1.0)
+    _number(opt, 'momentum', 'optimizer', 0.0, 1.0)
+    if 'betas' in opt:
+        betas = opt['betas']
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+                and all(isinstance(b, numbers.Real) and 0 <= b < 1 for b in betas)):
+            raise ConfigError(f"'optimizer.betas' must be two numbers in [0, 1), got {betas!r}")
     return opt
+
+
+def _parse_checkpoint(config: Mapping) -> Dict[str, Any]:
+    ckpt = _section(config, 'checkpoint', required=False)
+    if ckpt:
+        _check_keys(ckpt, {'path', 'interval'}, 'checkpoint.')
+        if not isinstance(ckpt.get('path'), str):
+            raise ConfigError(f"'checkpoint.path' must be a file name such as "
+                              f"'runs/model_{{step}}.pt', got {ckpt.get('path')!r}")
+        ckpt['interval'] = _number(ckpt, 'interval', 'checkpoint', 1, 1 << 40, True, 100)
+    return ckpt
+
+
+def _parse_log(config: Mapping) -> Dict[str, Any]:
+    log = _section(config, 'log', required=False)
+    _check_keys(log, {'tensorboard'}, 'log.')
+    if 'tensorboard' in log:
+        from .trainer.hooks import tensorboard_available
+        if not isinstance(log['tensorboard'], str):
+            raise ConfigError(f"'log.tensorboard' must be a directory, got {log['tensorboard']!r}")
+        if not tensorboard_available():
+            raise ConfigError("'log.tensorboard' needs the tensorboard package (pip install "
+                              "tensorboard)")
+    return log
 
 
 def _parse_scheduler(config: Mapping) -> Dict[str, Any]:
@@ -143,7 +184,8 @@ def parse_job(config: Mapping) -> JobSpec:
     """Validate the job sections of a (loaded) config; see the module doc for the keys."""
     model = _parse_model(config)
     return JobSpec(model=model, data=_parse_data(config, model), train=_parse_train(config),
-                   optimizer=_parse_optimizer(config), lr_scheduler=_parse_scheduler(config))
+                   optimizer=_parse_optimizer(config), lr_scheduler=_parse_scheduler(config),
+                   checkpoint=_parse_checkpoint(config), log=_parse_log(config))
 
 
 # ---------------------------------------------------------------------------- building

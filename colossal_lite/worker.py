@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .communication import all_gather, total_stats
-from .config import load_config
+from .config import ConfigError, load_config
 from .context import ParallelMode, global_context as gpc
 from .launch import launch_from_torch
 from .trainer import hooks as H
@@ -60,9 +60,12 @@ def _report(trainer, spec, history: _LossHistory, elapsed: float):
     peaks, comm = _gathered_report()
     m = trainer.metrics
     unit = 'tokens/s' if spec.kind == 'gpt' else 'samples/s'
-    rate = m.get('tokens_per_s' if spec.kind == 'gpt' else 'samples_per_s', float('nan'))
-    _print0(f'throughput: {rate:.1f} {unit} (global), {m.get("step_time_s", float("nan")):.3f} '
-            f's/step, ~{m.get("tflops", 0.0) * 1e3:.3f} GFLOPS model estimate')
+    rate = m.get('tokens_per_s' if spec.kind == 'gpt' else 'samples_per_s')
+    if rate is None or rate != rate:
+        _print0('throughput: not measured (the first 2 steps are warm-up; run more steps)')
+    else:
+        _print0(f'throughput: {rate:.1f} {unit} (global), {m.get("step_time_s", float("nan")):.3f} '
+                f's/step, ~{m.get("tflops", 0.0) * 1e3:.3f} GFLOPS model estimate')
     _print0('peak memory per rank (MiB): ' + ', '.join(f'rank {r}: {p:.0f}' for r, p in enumerate(peaks)))
     _print0('bytes communicated per ParallelMode (all ranks): ' +
             (', '.join(f'{k}: {v / 2**20:.2f} MiB' for k, v in sorted(comm.items())) or 'none'))
@@ -84,7 +87,11 @@ def train(cfg) -> dict:
     model = build_model(spec.model)
     train_dl, test_dl, _ = build_data(spec, gpc.device)
     optimizer = build_optimizer(spec, model)
-    steps_per_epoch = len(train_dl) // int(cfg.get('gradient_accumulation', 1))
+    accumulation = int(cfg.get('gradient_accumulation', 1))
+    steps_per_epoch = len(train_dl) // accumulation
+    if steps_per_epoch == 0:  # same on every rank, before any collective
+        raise ConfigError(f"'gradient_accumulation' = {accumulation} exceeds the {len(train_dl)} "
+                          f"batches of global size {spec.train['global_batch_size']} per epoch")
     total = spec.train['steps'] or spec.train['epochs'] * steps_per_epoch
     epochs = max(1, math.ceil(total / max(1, steps_per_epoch)))
     scheduler = build_scheduler(spec, optimizer, total)
@@ -95,6 +102,11 @@ def train(cfg) -> dict:
              H.LogMetricByStepHook(spec.train['log_every'], printer=_print0)]
     if spec.kind == 'vit':
         hooks += [H.AccuracyHook(), H.LogMetricByEpochHook(printer=_print0)]
+    if spec.checkpoint:
+        hooks.append(H.SaveCheckpointHook(spec.checkpoint['path'], spec.checkpoint['interval'],
+                                          by_step=True, lr_scheduler=scheduler))
+    if 'tensorboard' in spec.log:
+        hooks.append(H.TensorBoardHook(spec.log['tensorboard']))
     params = H.full_parameter_count(engine.model)
     _print0(f'model: {spec.kind} {params / 1e6:.2f}M parameters; {total} steps of global batch '
             f'{spec.train["global_batch_size"]} x {int(cfg.get("gradient_accumulation", 1))} '
