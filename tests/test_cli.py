@@ -116,3 +116,26 @@ def test_a_failing_rank_ends_every_process_and_is_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert 'rank 1 failed first: RuntimeError: rank one fails on purpose' in err
     assert 'every process was ended' in err
+
+
+BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs',
+                    '_gpt_shakespeare.py')
+
+
+@pytest.mark.parametrize('body, nproc, message', [
+    ("parallel = dict(tensor=dict(size=8, mode='3d'))\ntrain = dict(global_batch_size=6)", 8,
+     "splits each replica's batch of 6 (global batch / data size) 4 ways"),
+    ("parallel = dict(tensor=dict(size=4, mode='sequence'))\n"
+     "data = dict(type='shakespeare', seq_len=66)", 4, "needs 'data.seq_len' divisible by 4, got 66"),
+    ("zero = dict()", 1, "'zero' and 'parallel.pipeline' > 1 are not implemented yet"),
+    ("optimizer = dict(type='adamw', betas=(0.9,))", 1, "'optimizer.betas' must be two numbers"),
+    ("data = dict(type='shakespeare', plays=['nope'])", 1, "'data.plays': unknown plays ['nope']"),
+    ("checkpoint = dict(interval=5)", 1, "'checkpoint.path' must be a file name"),
+    ("gradient_handler = dict(bucket_mb=-1)", 1, "'gradient_handler.bucket_mb' must be a positive"),
+])
+def test_layout_and_job_mismatches_fail_before_any_process(tmp_path, body, nproc, message):
+    path = tmp_path / 'job.py'
+    path.write_text(f"_base_ = {BASE!r}\n{body}\n")
+    with pytest.raises(ConfigError) as info:
+        cli.check_job(str(path), nproc, None)
+    assert message in str(info.value)
