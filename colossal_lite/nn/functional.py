@@ -113,6 +113,19 @@ def require_logits_tag(logits: torch.Tensor, what: str):
             f'call gather_logits on the classifier output first, or pass vocab_parallel=True/False')
 
 
+def vocab_range_lookup(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
+                       vocab_end: int, padding_idx: Optional[int] = None) -> torch.Tensor:
+    """Rows of a vocabulary shard ``weight`` (ids ``[vocab_start, vocab_end)``) for full ids;
+    ids owned by other ranks give zero rows, so a sum over the shards is the full lookup.
+    No communication."""
+    outside = (ids < vocab_start) | (ids >= vocab_end)
+    local_ids = torch.where(outside, torch.zeros_like(ids), ids - vocab_start)
+    local_pad = None
+    if padding_idx is not None and vocab_start <= padding_idx < vocab_end:
+        local_pad = padding_idx - vocab_start
+    return F.embedding(local_ids, weight, local_pad).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
 def check_ids(ids: torch.Tensor, num_embeddings: int, what: str = 'embedding'):
     """Every id in [0, num_embeddings). Run on the user's full ids, which every rank holds,
     so all ranks raise together before any collective."""

@@ -21,7 +21,7 @@ from ...communication import gather_from, reduce_from, split_to
 from ...communication.collective import check_divisible
 from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc, seed
 from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
-from ..functional import check_ids, tag_vocab_parallel
+from ..functional import check_ids, tag_vocab_parallel, vocab_range_lookup
 from .overlap import column_matmul
 
 Init = Callable[[torch.Tensor], object]
@@ -141,13 +141,8 @@ class VocabParallelEmbedding1D(ShardedModule):
         if self.axis.size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
         check_ids(ids, self.num_embeddings, 'VocabParallelEmbedding')
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local_ids = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
-        local_pad = None
-        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
-            local_pad = self.padding_idx - self.vocab_start
-        out = F.embedding(local_ids, self.weight, local_pad)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        out = vocab_range_lookup(ids, self.weight, self.vocab_start, self.vocab_end,
+                                 self.padding_idx)
         return reduce_from(out, self.axis)
 
 

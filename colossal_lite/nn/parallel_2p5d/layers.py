@@ -19,7 +19,7 @@ from torch import nn
 from ...communication import copy_to, reduce_from, reduce_scatter_to
 from ...context import ParallelMode, seed
 from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
-from ..functional import check_ids, tag_vocab_parallel
+from ..functional import check_ids, tag_vocab_parallel, vocab_range_lookup
 from ..parallel_1d.layers import (Init, PatchEmbedding1D, _embedding_init,
                                   linear_bias_init, linear_weight_init)
 from .grid import Grid2p5D, resolve_grid
@@ -202,12 +202,7 @@ class VocabParallelEmbedding2p5D(ShardedModule):
         check_ids(ids, self.num_embeddings, 'VocabParallelEmbedding')
         ids = self.grid.split_depth(ids)
         weight = _grid_dep_shared(self.weight, self.grid)
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local_ids = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
-        local_pad = None
-        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
-            local_pad = self.padding_idx - self.vocab_start
-        out = F.embedding(local_ids, weight, local_pad).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = vocab_range_lookup(ids, weight, self.vocab_start, self.vocab_end, self.padding_idx)
         return reduce_scatter_to(out, self.grid.col, 0)
 
 

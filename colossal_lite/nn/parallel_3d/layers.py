@@ -22,7 +22,7 @@ from ...communication import reduce_from, reduce_scatter_to
 from ...context import ParallelMode, seed
 from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
 from .._grid import shared_over
-from ..functional import check_ids, matmul_dtype, tag_vocab_parallel
+from ..functional import check_ids, matmul_dtype, tag_vocab_parallel, vocab_range_lookup
 from ..parallel_1d.layers import _embedding_init, linear_bias_init, linear_weight_init
 from .cube import (ActLayout, Cube3D, Orientation, check_batch, default_cube, split_batch,
                    sum_partials, swap_layout)
@@ -272,12 +272,8 @@ class VocabParallelEmbedding3D(ShardedModule):
     def forward(self, ids):
         check_batch(ids.shape[0], self.cube.standard, 'VocabParallelEmbedding ids')
         check_ids(ids, self.num_embeddings, 'VocabParallelEmbedding')
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local_ids = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
-        local_pad = None
-        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
-            local_pad = self.padding_idx - self.vocab_start
-        out = F.embedding(local_ids, self.weight, local_pad).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = vocab_range_lookup(ids, self.weight, self.vocab_start, self.vocab_end,
+                                 self.padding_idx)
         return reduce_scatter_to(out, self.cube.input_x_weight, 0)
 
 
