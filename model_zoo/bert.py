@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import colossal_lite.nn as col_nn
+from colossal_lite.tensor import init_by_name
 
 from .blocks import TransformerLayer, normal_init, preset_config, zeros_init
 
@@ -27,26 +28,27 @@ class BERT(nn.Module):
                  type_vocab_size: int = 2, init_std: float = 0.02, nsp: bool = True,
                  checkpoint: bool = False):
         super().__init__()
-        self.max_positions = max_positions
-        init = normal_init(init_std)
-        self.word_embeddings = col_nn.VocabParallelEmbedding(vocab_size, hidden, weight_init=init)
-        self.position_embeddings = col_nn.Embedding(max_positions, hidden, weight_init=init)
-        self.token_type_embeddings = col_nn.Embedding(type_vocab_size, hidden, weight_init=init)
-        self.embed_ln = col_nn.LayerNorm(hidden, eps=eps)
-        self.drop = col_nn.Dropout(dropout)
-        self.layers = nn.ModuleList(
-            TransformerLayer(hidden, heads, mlp_ratio, dropout, causal=False, pre_ln=False, eps=eps,
-                             gelu_approximate='none', init_std=init_std, checkpoint=checkpoint)
-            for _ in range(layers))
-        self.mlm_dense = col_nn.Linear(hidden, hidden, weight_init=init, bias_init=zeros_init)
-        self.mlm_act = nn.GELU()
-        self.mlm_ln = col_nn.LayerNorm(hidden, eps=eps)
-        self.mlm_decoder = col_nn.VocabParallelClassifier(hidden, vocab_size, bias=True,
-                                                          weight=self.word_embeddings.weight)
-        self.nsp = nsp
-        if nsp:
-            self.pooler = col_nn.Linear(hidden, hidden, weight_init=init, bias_init=zeros_init)
-            self.nsp_head = col_nn.Classifier(hidden, 2, weight_init=init)
+        with init_by_name(self):  # each weight a function of (seed, its name)
+            self.max_positions = max_positions
+            init = normal_init(init_std)
+            self.word_embeddings = col_nn.VocabParallelEmbedding(vocab_size, hidden, weight_init=init)
+            self.position_embeddings = col_nn.Embedding(max_positions, hidden, weight_init=init)
+            self.token_type_embeddings = col_nn.Embedding(type_vocab_size, hidden, weight_init=init)
+            self.embed_ln = col_nn.LayerNorm(hidden, eps=eps)
+            self.drop = col_nn.Dropout(dropout)
+            self.layers = nn.ModuleList(
+                TransformerLayer(hidden, heads, mlp_ratio, dropout, causal=False, pre_ln=False, eps=eps,
+                                 gelu_approximate='none', init_std=init_std, checkpoint=checkpoint)
+                for _ in range(layers))
+            self.mlm_dense = col_nn.Linear(hidden, hidden, weight_init=init, bias_init=zeros_init)
+            self.mlm_act = nn.GELU()
+            self.mlm_ln = col_nn.LayerNorm(hidden, eps=eps)
+            self.mlm_decoder = col_nn.VocabParallelClassifier(hidden, vocab_size, bias=True,
+                                                              weight=self.word_embeddings.weight)
+            self.nsp = nsp
+            if nsp:
+                self.pooler = col_nn.Linear(hidden, hidden, weight_init=init, bias_init=zeros_init)
+                self.nsp_head = col_nn.Classifier(hidden, 2, weight_init=init)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> 'BERT':

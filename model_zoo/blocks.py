@@ -13,11 +13,12 @@ from torch import nn
 import colossal_lite.nn as col_nn
 
 
-def normal_init(std: float = 0.02) -> Callable[[torch.Tensor], object]:
-    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+def normal_init(std: float = 0.02) -> Callable[[torch.Tensor, object], object]:
+    """``init(tensor, generator)``: normal(0, std) from ``generator`` (None: the default one)."""
+    return lambda w, g: nn.init.normal_(w, mean=0.0, std=std, generator=g)
 
 
-def zeros_init(b: torch.Tensor):
+def zeros_init(b: torch.Tensor, g=None):
     return nn.init.zeros_(b)
 
 

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import colossal_lite.nn as col_nn
+from colossal_lite.tensor import init_by_name
 
 from .blocks import TransformerLayer, normal_init, preset_config
 
@@ -26,17 +27,18 @@ class GPT(nn.Module):
                  mlp_ratio: int = 4, dropout: float = 0.1, eps: float = 1e-5,
                  init_std: float = 0.02, checkpoint: bool = False):
         super().__init__()
-        self.max_positions = max_positions
-        self.wte = col_nn.VocabParallelEmbedding(vocab_size, hidden, weight_init=normal_init(init_std))
-        self.wpe = col_nn.Embedding(max_positions, hidden, weight_init=normal_init(0.01))
-        self.drop = col_nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(
-            TransformerLayer(hidden, heads, mlp_ratio, dropout, causal=True, pre_ln=True, eps=eps,
-                             gelu_approximate='tanh', init_std=init_std, checkpoint=checkpoint)
-            for _ in range(layers))
-        self.ln_f = col_nn.LayerNorm(hidden, eps=eps)
-        self.lm_head = col_nn.VocabParallelClassifier(hidden, vocab_size, bias=False,
-                                                      weight=self.wte.weight)
+        with init_by_name(self):  # each weight a function of (seed, its name)
+            self.max_positions = max_positions
+            self.wte = col_nn.VocabParallelEmbedding(vocab_size, hidden, weight_init=normal_init(init_std))
+            self.wpe = col_nn.Embedding(max_positions, hidden, weight_init=normal_init(0.01))
+            self.drop = col_nn.Dropout(dropout)
+            self.blocks = nn.ModuleList(
+                TransformerLayer(hidden, heads, mlp_ratio, dropout, causal=True, pre_ln=True, eps=eps,
+                                 gelu_approximate='tanh', init_std=init_std, checkpoint=checkpoint)
+                for _ in range(layers))
+            self.ln_f = col_nn.LayerNorm(hidden, eps=eps)
+            self.lm_head = col_nn.VocabParallelClassifier(hidden, vocab_size, bias=False,
+                                                          weight=self.wte.weight)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> 'GPT':

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import colossal_lite.nn as col_nn
+from colossal_lite.tensor import init_by_name
 
 from .blocks import TransformerLayer, normal_init, preset_config, zeros_init
 
@@ -26,15 +27,16 @@ class ViT(nn.Module):
                  layers: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.1,
                  eps: float = 1e-6, init_std: float = 0.02, checkpoint: bool = False):
         super().__init__()
-        self.patch_embed = col_nn.PatchEmbedding(img_size, patch_size, in_chans, hidden)
-        self.drop = col_nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(
-            TransformerLayer(hidden, heads, mlp_ratio, dropout, causal=False, pre_ln=True, eps=eps,
-                             gelu_approximate='none', init_std=init_std, checkpoint=checkpoint)
-            for _ in range(layers))
-        self.norm = col_nn.LayerNorm(hidden, eps=eps)
-        self.head = col_nn.Classifier(hidden, num_classes, weight_init=normal_init(init_std),
-                                      bias_init=zeros_init)
+        with init_by_name(self):  # each weight a function of (seed, its name)
+            self.patch_embed = col_nn.PatchEmbedding(img_size, patch_size, in_chans, hidden)
+            self.drop = col_nn.Dropout(dropout)
+            self.blocks = nn.ModuleList(
+                TransformerLayer(hidden, heads, mlp_ratio, dropout, causal=False, pre_ln=True, eps=eps,
+                                 gelu_approximate='none', init_std=init_std, checkpoint=checkpoint)
+                for _ in range(layers))
+            self.norm = col_nn.LayerNorm(hidden, eps=eps)
+            self.head = col_nn.Classifier(hidden, num_classes, weight_init=normal_init(init_std),
+                                          bias_init=zeros_init)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> 'ViT':

@@ -9,6 +9,7 @@ from colossal_lite.context import ParallelMode as PM
 from colossal_lite.nn.parallel_1d import (Classifier1D, ColumnLinear1D, Dropout1D, Embedding1D,
                                           RowLinear1D, VocabParallelClassifier1D,
                                           VocabParallelEmbedding1D)
+from colossal_lite.tensor import placement_of
 from colossal_lite.testing import full_gradients, max_rel_diff, run_distributed
 
 B, S, H, V = 2, 4, 8, 16
@@ -28,7 +29,7 @@ def _run_layer(module, inp, loss_of=lambda y: (y * y).sum() / 2):
         inp = inp.clone().requires_grad_()
     torch.manual_seed(0)
     y = module(inp)
-    if hasattr(y, '_cl_vocab_axis'):  # classifier logits: the full serial logits
+    if placement_of(y) is not None:  # classifier logits: the full serial logits
         y = col_nn.gather_logits(y)
     loss_of(y).backward()
     return (y.detach(), inp.grad if inp.is_floating_point() else None,

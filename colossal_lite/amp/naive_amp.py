@@ -18,7 +18,7 @@ from typing import List
 
 import torch
 
-from ..tensor import get_spec, set_spec
+from ..tensor import param_placement, set_placement
 from .base import FullPrecision, cast_floating, found_inf_anywhere, has_inf_or_nan
 from .grad_scaler import DynamicGradScaler
 
@@ -42,7 +42,7 @@ class NaiveAmp(FullPrecision):
                 if id(p) not in masters:
                     master = torch.nn.Parameter(p.detach().clone().float(),
                                                 requires_grad=p.requires_grad)
-                    set_spec(master, get_spec(p))
+                    set_placement(master, param_placement(p))
                     masters[id(p)] = master
                     self.pairs.append((p, master))
                 new_params.append(masters[id(p)])

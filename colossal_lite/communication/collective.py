@@ -25,7 +25,12 @@ _reduce_scatter_flat = getattr(dist, 'reduce_scatter_single', None) or dist.redu
 
 
 def resolve(axis: AxisLike) -> ProcessGroupAxis:
-    return global_context.axis(axis) if isinstance(axis, ParallelMode) else axis
+    ax = global_context.axis(axis) if isinstance(axis, ParallelMode) else axis
+    if ax.group is None and ax.size > 1:
+        raise RuntimeError(f'{ax.mode.name} group of {ax.size} ranks has no process group: '
+                           f'the layer was built for a described layout (use_context), which '
+                           f'can be inspected but not run; build it after launch() to run it')
+    return ax
 
 
 def _nbytes(t: torch.Tensor) -> int:

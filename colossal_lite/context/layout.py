@@ -27,22 +27,16 @@ from .parallel_mode import ParallelMode
 Groups = List[Tuple[int, ...]]
 
 
-def _tensor_axes(layout: ParallelLayout) -> List[Tuple[str, int]]:
-    q = layout.tensor_grid
-    if layout.mode == '2d':
-        return [('row', q), ('col', q)]
-    if layout.mode == '2.5d':
-        return [('dep', layout.depth), ('row', q), ('col', q)]
-    if layout.mode == '3d':
-        return [('output', q), ('weight', q), ('input', q)]
-    return [('t', layout.tensor)]
+def _family(layout: ParallelLayout):
+    from ..families import family  # late: families imports this package's ParallelMode
+    return family(layout.mode)
 
 
 def axes_of(layout: ParallelLayout) -> List[Tuple[str, int]]:
     """The named axes of the rank grid, outermost first."""
     if layout.data is None:
         raise ValueError('the layout needs the data-parallel degree; call with_world_size first')
-    return [('pipe', layout.pipeline), ('data', layout.data)] + _tensor_axes(layout)
+    return [('pipe', layout.pipeline), ('data', layout.data)] + list(_family(layout).axes(layout))
 
 
 def groups_varying(axes: Sequence[Tuple[str, int]], varying: Sequence[str]) -> Groups:
@@ -66,37 +60,21 @@ def groups_varying(axes: Sequence[Tuple[str, int]], varying: Sequence[str]) -> G
     return groups
 
 
-_TENSOR_AXIS_NAMES = {None: ('t',), '1d': ('t',), 'sequence': ('t',),
-                      '2d': ('row', 'col'), '2.5d': ('dep', 'row', 'col'),
-                      '3d': ('output', 'weight', 'input')}
-
-# the sub-groups of the tensor axis each mode needs, by the axes that vary within them
-_MODE_GROUPS = {
-    '1d': {ParallelMode.PARALLEL_1D: ('t',)},
-    'sequence': {ParallelMode.SEQUENCE: ('t',), ParallelMode.SEQUENCE_DP: ('data', 't')},
-    '2d': {ParallelMode.PARALLEL_2D_ROW: ('col',), ParallelMode.PARALLEL_2D_COL: ('row',)},
-    '2.5d': {ParallelMode.PARALLEL_2P5D_ROW: ('col',), ParallelMode.PARALLEL_2P5D_COL: ('row',),
-             ParallelMode.PARALLEL_2P5D_DEP: ('dep',), ParallelMode.PARALLEL_2P5D_XZ: ('col', 'dep')},
-    '3d': {ParallelMode.PARALLEL_3D_INPUT: ('input',), ParallelMode.PARALLEL_3D_WEIGHT: ('weight',),
-           ParallelMode.PARALLEL_3D_OUTPUT: ('output',),
-           ParallelMode.PARALLEL_3D_INPUT_X_WEIGHT: ('input', 'weight'),
-           ParallelMode.PARALLEL_3D_OUTPUT_X_WEIGHT: ('output', 'weight')},
-}
+def mode_axes(layout: ParallelLayout) -> Dict[ParallelMode, Tuple[str, ...]]:
+    """Every mode the layout builds, with the grid axes that vary inside its groups
+    (in grid order, so a member's local rank is its flattened coordinate on them)."""
+    names = [name for name, _ in axes_of(layout)]
+    fam = _family(layout)
+    varying = {ParallelMode.GLOBAL: tuple(names), ParallelMode.PIPELINE: ('pipe',),
+               ParallelMode.DATA: ('data',), ParallelMode.TENSOR: fam.tensor_axis_names}
+    varying.update(fam.groups)
+    return {mode: tuple(n for n in names if n in axes) for mode, axes in varying.items()}
 
 
 def build_groups(layout: ParallelLayout) -> Dict[ParallelMode, Groups]:
     """All groups of every mode the layout uses, as lists of global-rank tuples."""
     axes = axes_of(layout)
-    tensor_names = _TENSOR_AXIS_NAMES[layout.mode]
-    result = {
-        ParallelMode.GLOBAL: groups_varying(axes, [name for name, _ in axes]),
-        ParallelMode.PIPELINE: groups_varying(axes, ('pipe',)),
-        ParallelMode.DATA: groups_varying(axes, ('data',)),
-        ParallelMode.TENSOR: groups_varying(axes, tensor_names),
-    }
-    for mode, varying in _MODE_GROUPS.get(layout.mode, {}).items():
-        result[mode] = groups_varying(axes, varying)
-    return result
+    return {mode: groups_varying(axes, varying) for mode, varying in mode_axes(layout).items()}
 
 
 def coordinates(layout: ParallelLayout, rank: int) -> Dict[str, int]:

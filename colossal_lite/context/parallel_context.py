@@ -7,9 +7,11 @@ they keep and pass to the autograd functions.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,7 @@ class ProcessGroupAxis:
 
     mode: ParallelMode
     group: Optional[object]          # torch ProcessGroup; None for a serial (size-1) stand-in
+                                     # or an axis of a described (not launched) layout
     ranks: Tuple[int, ...]           # global ranks, in local-rank order
     rank: int                        # this rank's local rank in the group
     size: int
@@ -47,6 +50,7 @@ class ParallelContext:
         self.device: torch.device = torch.device('cpu')
         self._axes: Dict[ParallelMode, ProcessGroupAxis] = {}
         self._owns_default_group = False
+        self._described_rank: Optional[int] = None
 
     # ---------------------------------------------------------------- set-up
     def init_global_dist(self, rank: int, world_size: int, backend: str, init_method: str,
@@ -61,6 +65,30 @@ class ParallelContext:
                                     world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
             self._owns_default_group = True
+
+    @staticmethod
+    def describe(layout: ParallelLayout, rank: int = 0) -> 'ParallelContext':
+        """A context for ``layout`` (with its data size set) as rank ``rank`` would see it,
+        with no process group: layers built under it (``use_context``) get their shapes,
+        splits and placements, and any collective on a group of several ranks raises."""
+        if layout.world_size is None:
+            raise ValueError('describe() needs a layout with its data size; call '
+                             'layout.with_world_size(world) first')
+        if not 0 <= rank < layout.world_size:
+            raise ValueError(f'rank must be in [0, {layout.world_size}), got {rank}')
+        ctx = ParallelContext()
+        ctx.layout = layout
+        for mode, groups in build_groups(layout).items():
+            members = next(g for g in groups if rank in g)
+            ctx._axes[mode] = ProcessGroupAxis(mode, None, members, members.index(rank),
+                                               len(members))
+        ctx._described_rank = rank
+        return ctx
+
+    @property
+    def is_described(self) -> bool:
+        """Whether this context describes a layout without process groups."""
+        return self._described_rank is not None
 
     def init_parallel_groups(self, config: Config):
         """Build every group of the configured layout (all ranks create all groups, same order)."""
@@ -115,6 +143,8 @@ class ParallelContext:
         return self.axis(mode).rank
 
     def get_global_rank(self) -> int:
+        if self._described_rank is not None:
+            return self._described_rank
         return dist.get_rank() if dist.is_initialized() else 0
 
     def get_group(self, mode: ParallelMode):
@@ -146,3 +176,21 @@ class ParallelContext:
 
 
 global_context = ParallelContext()
+
+_current: contextvars.ContextVar = contextvars.ContextVar('colossal_lite_context', default=None)
+
+
+def current_context() -> ParallelContext:
+    """The context layers are built for: the one of an enclosing :func:`use_context`,
+    else the launched ``global_context``."""
+    return _current.get() or global_context
+
+
+@contextlib.contextmanager
+def use_context(ctx: ParallelContext) -> Iterator[ParallelContext]:
+    """Build layers for ``ctx`` (e.g. ``ParallelContext.describe(layout, rank)``) inside."""
+    token = _current.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.reset(token)

@@ -3,12 +3,12 @@
 For gradients g_p of the (deduplicated) parameters, the serial norm is
 ``||g|| = sqrt(sum_p ||G_p||^2)`` with G_p the full (unsharded) gradient. Each
 parameter carries a :class:`~colossal_lite.tensor.ShardSpec`; its full squared
-norm is the sum of the local squared norms over the groups its spec shards it
+norm is the sum of the local squared norms over the groups its placement cuts it
 over. So, per rank:
 
-* replicated parameters (empty spec): ``s_rep = sum ||g_p||^2`` locally -- every
+* replicated parameters (no cut): ``s_rep = sum ||g_p||^2`` locally -- every
   replica holds the same value, so it is counted once, never summed over a group;
-* sharded parameters, grouped by the tuple of their spec's groups ``(A_1..A_k)``:
+* sharded parameters, grouped by the tuple of their placement's cut modes ``(A_1..A_k)``:
   ``s_A = all_reduce_{A_k}( ... all_reduce_{A_1}(sum ||g_p||^2))``, one scalar
   all_reduce per group of the tuple.
 
@@ -25,7 +25,7 @@ import torch
 
 from ..communication import collective as C
 from ..context import global_context as gpc
-from ..tensor import get_spec
+from ..tensor import param_placement
 
 
 def unique_parameters(parameters: Iterable[torch.Tensor]) -> List[torch.Tensor]:
@@ -46,12 +46,12 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
         if p.grad is None:
             continue
         sq = p.grad.detach().float().pow(2).sum().cpu()
-        axes = [s.axis for s in get_spec(p).shards]
-        if not axes:
+        modes = [mode for _, mode in param_placement(p).cuts]
+        if not modes:
             replicated = replicated + sq
             continue
-        key = tuple(a.mode.value for a in axes)
-        sharded.setdefault(key, (axes, []))[1].append(sq)
+        key = tuple(m.value for m in modes)
+        sharded.setdefault(key, (modes, []))[1].append(sq)
     total = replicated
     for key in sorted(sharded):  # the same order of collectives on every rank
         axes, squares = sharded[key]

@@ -1,4 +1,4 @@
-"""Functions shared by every layer family: vocab-parallel cross entropy, attention, logits tags.
+"""Functions shared by every layer family: vocab-parallel cross entropy, attention, id checks.
 
 Vocab-parallel cross entropy (logits split along the vocabulary over ``axis``)::
 
@@ -21,9 +21,6 @@ import torch.nn.functional as F
 
 from ..communication import collective as C
 from ..context import ProcessGroupAxis
-
-VOCAB_AXIS_ATTR = '_cl_vocab_axis'
-
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -88,29 +85,6 @@ def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
         return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=ignore_index,
                                reduction='none')
     return vocab_parallel_cross_entropy(flat_logits, flat_labels, vocab_axis, ignore_index)
-
-
-def tag_vocab_parallel(logits: torch.Tensor, axis: Optional[ProcessGroupAxis]) -> torch.Tensor:
-    """Mark a classifier's logits: split along the classes over ``axis``, or whole (None).
-
-    The mark is a plain attribute of this tensor object: slicing, views, ``.detach()`` and
-    module hooks return new tensors without it, which :func:`require_logits_tag` reports."""
-    setattr(logits, VOCAB_AXIS_ATTR, axis if axis is not None and axis.size > 1 else None)
-    return logits
-
-
-def vocab_axis_of(logits: torch.Tensor) -> Optional[ProcessGroupAxis]:
-    return getattr(logits, VOCAB_AXIS_ATTR, None)
-
-
-def require_logits_tag(logits: torch.Tensor, what: str):
-    """Under tensor parallelism an untagged tensor may be a class shard: refuse to guess."""
-    if not hasattr(logits, VOCAB_AXIS_ATTR):
-        raise ValueError(
-            f'{what} needs the logits returned by a colossal_lite Classifier or '
-            f'VocabParallelClassifier; this tensor has lost their layout (slicing, views, '
-            f'.detach() and module hooks drop it). Slice the labels instead of the logits, '
-            f'call gather_logits on the classifier output first, or pass vocab_parallel=True/False')
 
 
 def vocab_range_lookup(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,

@@ -1,7 +1,7 @@
 """Which layer family implements each facade, by tensor-parallel mode.
 
 A family module registers its implementations with ``@register(mode, kind)``
-when imported (a family that reuses another family's layer registers it
+when imported (``families.py`` names the module of each mode; a family that reuses another family's layer registers it
 under its own mode explicitly; there is no silent fallback);
 :func:`implementation` imports the family of the launched mode on first use. Serial runs and pure data parallelism use the 1D family
 over a one-rank group, which computes exactly what plain torch layers do.
@@ -11,16 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Dict, Optional, Tuple
 
-from ..context import global_context as gpc
-
-_FAMILY_MODULES = {
-    None: 'colossal_lite.nn.parallel_1d',
-    '1d': 'colossal_lite.nn.parallel_1d',
-    '2d': 'colossal_lite.nn.parallel_2d',
-    '2.5d': 'colossal_lite.nn.parallel_2p5d',
-    '3d': 'colossal_lite.nn.parallel_3d',
-    'sequence': 'colossal_lite.nn.sequence',
-}
+from ..context import current_context
+from ..families import family as family_of
 KINDS = ('linear', 'layernorm', 'embedding', 'vocab_parallel_embedding', 'classifier',
          'vocab_parallel_classifier', 'patch_embedding', 'dropout', 'cross_entropy',
          'attention_core', 'gather_logits', 'first_token')
@@ -39,14 +31,15 @@ def register(mode: Optional[str], kind: str):
 
 
 def current_mode() -> Optional[str]:
-    return gpc.tensor_mode
+    """The tensor mode layers are built for now (``use_context`` or the launched one)."""
+    return current_context().tensor_mode
 
 
 def implementation(kind: str, mode: Optional[str] = '__current__') -> Callable:
     """The class or function implementing ``kind`` for ``mode`` (default: the launched mode)."""
     if mode == '__current__':
         mode = current_mode()
-    family = _FAMILY_MODULES[mode]
+    family = family_of(mode).layers
     try:
         importlib.import_module(family)
     except ModuleNotFoundError as err:

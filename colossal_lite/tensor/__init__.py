@@ -1,7 +1,12 @@
-"""Sharding specs for parameters and full/sharded state dicts."""
-from .spec import (DimShard, ShardSpec, gather_full, get_spec, set_spec, sharded_parameter,
-                   tied_or_new_parameter)
-from .state_dict import ShardedModule, local_state_dict
+"""Placements of tensors over a layout, parameters drawn by name, full/sharded state dicts."""
+from .init import (Init, building_on_meta, init_by_name, materialize, name_seed, new_parameter,
+                   parameter_bytes, parameter_placement, placements, tied_or_new_parameter)
+from .placement import (Placement, layout_mesh, param_placement, placement_of, set_placement,
+                        tag, to_dtensor)
+from .state_dict import ShardedModule, gather_full, local_state_dict
 
-__all__ = ['DimShard', 'ShardSpec', 'gather_full', 'get_spec', 'set_spec', 'sharded_parameter',
-           'tied_or_new_parameter', 'ShardedModule', 'local_state_dict']
+__all__ = ['Init', 'building_on_meta', 'init_by_name', 'materialize', 'name_seed',
+           'new_parameter', 'parameter_bytes', 'parameter_placement', 'placements',
+           'tied_or_new_parameter', 'Placement', 'layout_mesh', 'param_placement',
+           'placement_of', 'set_placement', 'tag', 'to_dtensor', 'ShardedModule', 'gather_full',
+           'local_state_dict']

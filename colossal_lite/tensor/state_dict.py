@@ -13,7 +13,7 @@ from typing import Dict
 import torch
 from torch import nn
 
-from .spec import get_spec
+from .placement import param_placement
 
 
 def _gather_hook(module, state_dict, prefix, local_metadata):
@@ -21,9 +21,9 @@ def _gather_hook(module, state_dict, prefix, local_metadata):
         key = prefix + name
         if param is None or key not in state_dict:
             continue
-        spec = get_spec(param)
-        if not spec.is_replicated:
-            state_dict[key] = spec.gather(param.detach())
+        placement = param_placement(param)
+        if not placement.is_replicated:
+            state_dict[key] = placement.gather(param.detach())
     return state_dict
 
 
@@ -33,16 +33,16 @@ def _shard_hook(module, state_dict, prefix, local_metadata, strict, missing_keys
         key = prefix + name
         if param is None or key not in state_dict:
             continue
-        spec = get_spec(param)
-        if spec.is_replicated:
+        placement = param_placement(param)
+        if placement.is_replicated:
             continue
         full = state_dict[key]
-        expected = spec.local_shape(full.shape) if full.dim() == param.dim() else None
-        if expected != tuple(param.shape):
-            error_msgs.append(f"'{key}': expected the full (serial) tensor whose shard has shape "
-                              f"{tuple(param.shape)}, got shape {tuple(full.shape)}")
+        if tuple(full.shape) != placement.shape:
+            error_msgs.append(f"'{key}': expected the full (serial) tensor of shape "
+                              f"{placement.shape} (this rank's shard: {tuple(param.shape)}), "
+                              f"got shape {tuple(full.shape)}")
             continue
-        state_dict[key] = spec.shard(full)
+        state_dict[key] = placement.shard(full)
 
 
 class ShardedModule(nn.Module):
@@ -52,6 +52,11 @@ class ShardedModule(nn.Module):
         super().__init__()
         self._register_state_dict_hook(_gather_hook)
         self._register_load_state_dict_pre_hook(_shard_hook, with_module=True)
+
+
+def gather_full(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Gather ``tensor`` (a local shard, e.g. a gradient) with the placement of ``like``."""
+    return param_placement(like).gather(tensor)
 
 
 def local_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:

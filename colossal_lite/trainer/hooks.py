@@ -17,7 +17,7 @@ import torch
 
 from ..communication import collective as C
 from ..context import ParallelMode, global_context as gpc
-from ..tensor import get_spec
+from ..tensor import param_placement
 
 METRIC_PRIORITY, SCHEDULER_PRIORITY, OUTPUT_PRIORITY = 0, 1, 10
 
@@ -140,10 +140,10 @@ class LRSchedulerHook(BaseHook):
 
 
 def full_parameter_count(model: torch.nn.Module) -> int:
-    """Parameters of the serial model: local numel times the shard-group sizes, tied once."""
+    """Parameters of the serial model (full shapes from the placements), tied ones once."""
     total = 0
     for p in model.parameters():
-        total += p.numel() * math.prod(s.axis.size for s in get_spec(p).shards)
+        total += math.prod(param_placement(p).shape)
     return total
 
 

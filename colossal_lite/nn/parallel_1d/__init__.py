@@ -3,7 +3,8 @@ from ..registry import register
 from .layers import (Classifier1D, ColumnLinear1D, Dropout1D, Embedding1D, LayerNorm1D,
                      PatchEmbedding1D, RowLinear1D, VocabParallelClassifier1D,
                      VocabParallelEmbedding1D, default_axis, linear_1d)
-from .losses import AttentionCore1D, CrossEntropyLoss1D, first_token_1d, gather_logits_1d
+from ..losses import CrossEntropyLoss, gather_logits
+from .losses import AttentionCore1D, first_token_1d
 
 for _mode in (None, '1d'):
     register(_mode, 'linear')(linear_1d)
@@ -14,12 +15,11 @@ for _mode in (None, '1d'):
     register(_mode, 'vocab_parallel_classifier')(VocabParallelClassifier1D)
     register(_mode, 'patch_embedding')(PatchEmbedding1D)
     register(_mode, 'dropout')(Dropout1D)
-    register(_mode, 'cross_entropy')(CrossEntropyLoss1D)
+    register(_mode, 'cross_entropy')(CrossEntropyLoss)
     register(_mode, 'attention_core')(AttentionCore1D)
-    register(_mode, 'gather_logits')(gather_logits_1d)
+    register(_mode, 'gather_logits')(gather_logits)
     register(_mode, 'first_token')(first_token_1d)
 
 __all__ = ['Classifier1D', 'ColumnLinear1D', 'Dropout1D', 'Embedding1D', 'LayerNorm1D',
            'PatchEmbedding1D', 'RowLinear1D', 'VocabParallelClassifier1D',
-           'VocabParallelEmbedding1D', 'AttentionCore1D', 'CrossEntropyLoss1D',
-           'gather_logits_1d', 'first_token_1d', 'default_axis', 'linear_1d']
+           'VocabParallelEmbedding1D', 'AttentionCore1D', 'first_token_1d', 'default_axis', 'linear_1d']

@@ -19,29 +19,27 @@ from torch import nn
 
 from ...communication import gather_from, reduce_from, split_to
 from ...communication.collective import check_divisible
-from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc, seed
-from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
-from ..functional import check_ids, tag_vocab_parallel, vocab_range_lookup
+from ...context import ParallelMode, ProcessGroupAxis, current_context, seed
+from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
+from ..functional import check_ids, vocab_range_lookup
 from .overlap import column_matmul
 
-Init = Callable[[torch.Tensor], object]
-
-
 def default_axis() -> ProcessGroupAxis:
-    """PARALLEL_1D when the launched mode is 1D, else a one-rank group (serial layers)."""
-    if gpc.tensor_mode == '1d':
-        return gpc.axis(ParallelMode.PARALLEL_1D)
+    """PARALLEL_1D when the current context's mode is 1D, else a one-rank group (serial)."""
+    ctx = current_context()
+    if ctx.tensor_mode == '1d':
+        return ctx.axis(ParallelMode.PARALLEL_1D)
     return ProcessGroupAxis.serial(ParallelMode.PARALLEL_1D)
 
 
 def linear_weight_init(fan_in: int) -> Init:
     """torch.nn.Linear's weight init (kaiming uniform, a=sqrt(5)), on the full weight."""
-    return lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    return lambda w, g: nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=g)
 
 
 def linear_bias_init(fan_in: int) -> Init:
     bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-    return lambda b: nn.init.uniform_(b, -bound, bound)
+    return lambda b, g: nn.init.uniform_(b, -bound, bound, generator=g)
 
 
 def _check(size: int, parts: int, what: str):
@@ -64,11 +62,10 @@ class ColumnLinear1D(ShardedModule):
         self.axis = axis or default_axis()
         _check(out_features, self.axis.size, 'Linear out_features (1D column split)')
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
-        spec = ShardSpec.of((0, self.axis))
-        self.weight = sharded_parameter((out_features, in_features), spec,
-                                        weight_init or linear_weight_init(in_features), dtype)
-        self.bias = sharded_parameter((out_features,), spec,
-                                      bias_init or linear_bias_init(in_features), dtype) if bias else None
+        self.weight = new_parameter((out_features, in_features), (0, self.axis),
+                                    init=weight_init or linear_weight_init(in_features), dtype=dtype)
+        self.bias = new_parameter((out_features,), (0, self.axis), dtype=dtype,
+                                  init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
         y = column_matmul(x, self.weight, self.bias, self.axis)
@@ -92,10 +89,10 @@ class RowLinear1D(ShardedModule):
         _check(in_features, self.axis.size, 'Linear in_features (1D row split)')
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
-        self.weight = sharded_parameter((out_features, in_features), ShardSpec.of((1, self.axis)),
-                                        weight_init or linear_weight_init(in_features), dtype)
-        self.bias = sharded_parameter((out_features,), ShardSpec(),
-                                      bias_init or linear_bias_init(in_features), dtype) if bias else None
+        self.weight = new_parameter((out_features, in_features), (1, self.axis),
+                                    init=weight_init or linear_weight_init(in_features), dtype=dtype)
+        self.bias = new_parameter((out_features,), dtype=dtype,
+                                  init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
         if not self.input_is_parallel:
@@ -134,8 +131,8 @@ class VocabParallelEmbedding1D(ShardedModule):
         self.vocab_start = self.axis.rank * (num_embeddings // self.axis.size)
         self.vocab_end = self.vocab_start + num_embeddings // self.axis.size
         self.padding_idx = padding_idx
-        self.weight = sharded_parameter((num_embeddings, embedding_dim), ShardSpec.of((0, self.axis)),
-                                        weight_init or _embedding_init(padding_idx), dtype)
+        self.weight = new_parameter((num_embeddings, embedding_dim), (0, self.axis), dtype=dtype,
+                                    init=embedding_init(padding_idx, weight_init))
 
     def forward(self, ids):
         if self.axis.size == 1:
@@ -146,9 +143,13 @@ class VocabParallelEmbedding1D(ShardedModule):
         return reduce_from(out, self.axis)
 
 
-def _embedding_init(padding_idx: Optional[int]) -> Init:
-    def init(w):
-        nn.init.normal_(w)
+def embedding_init(padding_idx: Optional[int], base: Optional[Init] = None) -> Init:
+    """torch.nn.Embedding's init (standard normal), or ``base``; the padding row zeroed."""
+    def init(w, g):
+        if base is not None:
+            base(w, g)
+        else:
+            nn.init.normal_(w, generator=g)
         if padding_idx is not None:
             w[padding_idx].zero_()
     return init
@@ -167,8 +168,8 @@ class Embedding1D(ShardedModule):
         self.axis = axis or default_axis()
         _check(embedding_dim, self.axis.size, 'Embedding embedding_dim (1D hidden split)')
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        self.weight = sharded_parameter((num_embeddings, embedding_dim), ShardSpec.of((1, self.axis)),
-                                        weight_init or _embedding_init(padding_idx), dtype)
+        self.weight = new_parameter((num_embeddings, embedding_dim), (1, self.axis), dtype=dtype,
+                                    init=embedding_init(padding_idx, weight_init))
 
     def forward(self, ids):
         return gather_from(F.embedding(ids, self.weight, self.padding_idx), self.axis, -1)
@@ -189,15 +190,15 @@ class VocabParallelClassifier1D(ShardedModule):
         self.axis = axis or default_axis()
         _check(num_classes, self.axis.size, 'VocabParallelClassifier num_classes')
         self.in_features, self.num_classes = in_features, num_classes
-        spec = ShardSpec.of((0, self.axis))
-        self.weight = tied_or_new_parameter(weight, (num_classes, in_features), spec,
-                                   weight_init or linear_weight_init(in_features), dtype)
-        self.bias = sharded_parameter((num_classes,), spec, bias_init or linear_bias_init(in_features),
-                                      dtype) if bias else None
+        self.weight = tied_or_new_parameter(weight, (num_classes, in_features), (0, self.axis),
+                                            init=weight_init or linear_weight_init(in_features),
+                                            dtype=dtype)
+        self.bias = new_parameter((num_classes,), (0, self.axis), dtype=dtype,
+                                  init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
         logits = column_matmul(x, self.weight, self.bias, self.axis)
-        return tag_vocab_parallel(logits, self.axis)
+        return tag(logits, (-1, self.axis))
 
 
 class Classifier1D(ShardedModule):
@@ -216,21 +217,36 @@ class Classifier1D(ShardedModule):
         self.axis = axis or default_axis()
         _check(in_features, self.axis.size, 'Classifier in_features (1D row split)')
         self.in_features, self.num_classes = in_features, num_classes
-        self.weight = tied_or_new_parameter(weight, (num_classes, in_features), ShardSpec.of((1, self.axis)),
-                                   weight_init or linear_weight_init(in_features), dtype)
-        self.bias = sharded_parameter((num_classes,), ShardSpec(),
-                                      bias_init or linear_bias_init(in_features), dtype) if bias else None
+        self.weight = tied_or_new_parameter(weight, (num_classes, in_features), (1, self.axis),
+                                            init=weight_init or linear_weight_init(in_features),
+                                            dtype=dtype)
+        self.bias = new_parameter((num_classes,), dtype=dtype,
+                                  init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
         y = reduce_from(F.linear(split_to(x, self.axis, -1), self.weight), self.axis)
-        return tag_vocab_parallel(y + self.bias if self.bias is not None else y, None)
+        return tag(y + self.bias if self.bias is not None else y)
 
 
-class LayerNorm1D(nn.LayerNorm):
-    """LayerNorm on replicated activations; weight and bias replicated. No communication."""
+def ones_init(t, g):
+    return nn.init.ones_(t)
+
+
+def zeros_init(t, g):
+    return nn.init.zeros_(t)
+
+
+class LayerNorm1D(ShardedModule):
+    """LayerNorm on replicated activations; weight and bias ``[h]`` replicated. No communication."""
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, dtype=None, axis=None):
-        super().__init__(normalized_shape, eps=eps, dtype=dtype)
+        super().__init__()
+        self.normalized_shape, self.eps = (normalized_shape,), eps
+        self.weight = new_parameter((normalized_shape,), init=ones_init, dtype=dtype)
+        self.bias = new_parameter((normalized_shape,), init=zeros_init, dtype=dtype)
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 class Dropout1D(nn.Module):
@@ -256,28 +272,54 @@ class Dropout1D(nn.Module):
             return F.dropout(x, self.p, True)
 
 
-class PatchEmbedding1D(ShardedModule):
-    """Image -> [b, 1 + n_patches, h]: conv patches, class token, learned positions.
-
-    All weights replicated (activations are replicated in 1D): proj.weight [h, C, P, P],
-    proj.bias [h], cls_token [1, 1, h], pos_embed [1, 1 + n, h]. No communication.
-    """
+class PatchParameters(ShardedModule):
+    """The parameters of a patch embedding, with the hidden (embedding) dim cut over
+    ``hidden_axis`` (None: whole): ``proj.weight [h, C, P, P]``, ``proj.bias [h]``,
+    ``cls_token [1, 1, h]``, ``pos_embed [1, 1 + n, h]``. Initial values as the serial
+    model's: torch's Conv2d init for proj, truncated normal (std 0.02) for the tokens.
+    Every family's PatchEmbedding holds one; the families differ in the cut only."""
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int,
-                 dtype=None, axis=None, weight_init: Optional[Init] = None):
+                 hidden_axis: Optional[ProcessGroupAxis] = None, dtype=None):
         super().__init__()
         if img_size % patch_size:
             raise ValueError(f'img_size {img_size} must be divisible by patch_size {patch_size}')
         self.num_patches = (img_size // patch_size) ** 2
         self.patch_size = patch_size
-        self.proj = nn.Conv2d(in_chans, embed_size, patch_size, patch_size, dtype=dtype)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_size, dtype=dtype))
-        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.num_patches, embed_size, dtype=dtype))
-        with torch.no_grad():
-            nn.init.trunc_normal_(self.pos_embed, std=0.02)
-            nn.init.trunc_normal_(self.cls_token, std=0.02)
+        cut = () if hidden_axis is None else ((0, hidden_axis),)
+        token_cut = () if hidden_axis is None else ((2, hidden_axis),)
+        fan_in = in_chans * patch_size * patch_size
+        self.proj = ShardedModule()
+        self.proj.weight = new_parameter((embed_size, in_chans, patch_size, patch_size), *cut,
+                                         init=linear_weight_init(fan_in), dtype=dtype)
+        self.proj.bias = new_parameter((embed_size,), *cut, init=linear_bias_init(fan_in),
+                                       dtype=dtype)
+        self.cls_token = new_parameter((1, 1, embed_size), *token_cut, init=token_init, dtype=dtype)
+        self.pos_embed = new_parameter((1, 1 + self.num_patches, embed_size), *token_cut,
+                                       init=token_init, dtype=dtype)
+
+    def embed(self, images, shared=lambda t: t):
+        """Images ``[b, C, H, W]`` -> ``[b, 1 + n, h_local]``; ``shared`` wraps each parameter
+        (e.g. to sum its gradient over the groups that see other images)."""
+        x = F.conv2d(images, shared(self.proj.weight), shared(self.proj.bias),
+                     stride=self.patch_size).flatten(2).transpose(1, 2)
+        cls = shared(self.cls_token).expand(x.shape[0], -1, -1)
+        return torch.cat([cls, x], dim=1) + shared(self.pos_embed)
+
+
+def token_init(t, g):
+    return nn.init.trunc_normal_(t, std=0.02, generator=g)
+
+
+class PatchEmbedding1D(PatchParameters):
+    """Image -> [b, 1 + n_patches, h]: conv patches, class token, learned positions.
+
+    All weights replicated (activations are replicated in 1D). No communication.
+    """
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int,
+                 dtype=None, axis=None, weight_init: Optional[Init] = None):
+        super().__init__(img_size, patch_size, in_chans, embed_size, None, dtype)
 
     def forward(self, images):
-        x = self.proj(images).flatten(2).transpose(1, 2)
-        cls = self.cls_token.expand(x.shape[0], -1, -1)
-        return torch.cat([cls, x], dim=1) + self.pos_embed
+        return self.embed(images)

@@ -8,7 +8,8 @@ from .grid import Grid2p5D
 from .layers import (Classifier2p5D, Dropout2p5D, Embedding2p5D, LayerNorm2p5D, Linear2p5D,
                      PatchEmbedding2p5D, SummaAffine2p5D, VocabParallelClassifier2p5D,
                      VocabParallelEmbedding2p5D)
-from .losses import AttentionCore2p5D, CrossEntropyLoss2p5D, first_token_2p5d, gather_logits_2p5d
+from ..losses import CrossEntropyLoss, gather_logits
+from .losses import AttentionCore2p5D, first_token_2p5d
 from .summa import SummaLinear, summa_linear, summa_loop
 
 FAMILY = {
@@ -20,9 +21,9 @@ FAMILY = {
     'vocab_parallel_classifier': VocabParallelClassifier2p5D,
     'patch_embedding': PatchEmbedding2p5D,
     'dropout': Dropout2p5D,
-    'cross_entropy': CrossEntropyLoss2p5D,
+    'cross_entropy': CrossEntropyLoss,
     'attention_core': AttentionCore2p5D,
-    'gather_logits': gather_logits_2p5d,
+    'gather_logits': gather_logits,
     'first_token': first_token_2p5d,
 }
 
@@ -37,6 +38,5 @@ register_family('2.5d')
 
 __all__ = ['Grid2p5D', 'Classifier2p5D', 'Dropout2p5D', 'Embedding2p5D', 'LayerNorm2p5D',
            'Linear2p5D', 'PatchEmbedding2p5D', 'SummaAffine2p5D', 'VocabParallelClassifier2p5D',
-           'VocabParallelEmbedding2p5D', 'AttentionCore2p5D', 'CrossEntropyLoss2p5D',
-           'first_token_2p5d', 'gather_logits_2p5d', 'SummaLinear', 'summa_linear', 'summa_loop',
+           'VocabParallelEmbedding2p5D', 'AttentionCore2p5D', 'first_token_2p5d', 'SummaLinear', 'summa_linear', 'summa_loop',
            'FAMILY', 'register_family']

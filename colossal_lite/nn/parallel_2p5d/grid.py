@@ -23,14 +23,9 @@ from typing import Optional
 
 import torch
 
-from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc
+from ...context import ParallelMode, ProcessGroupAxis, current_context
+from ...families import family
 from .. import _grid
-
-_MODES = {
-    '2d': (ParallelMode.PARALLEL_2D_ROW, ParallelMode.PARALLEL_2D_COL, None),
-    '2.5d': (ParallelMode.PARALLEL_2P5D_ROW, ParallelMode.PARALLEL_2P5D_COL,
-             ParallelMode.PARALLEL_2P5D_DEP),
-}
 
 
 @dataclass(frozen=True)
@@ -49,14 +44,15 @@ class Grid2p5D:
     # ------------------------------------------------------------ construction
     @staticmethod
     def current() -> 'Grid2p5D':
-        """The launched grid for mode '2d' / '2.5d'; a one-rank grid otherwise (serial)."""
-        mode = gpc.tensor_mode
-        if mode in _MODES:
-            row, col, dep = _MODES[mode]
-            dep_axis = gpc.axis(dep) if dep is not None else \
-                ProcessGroupAxis.serial(ParallelMode.PARALLEL_2P5D_DEP)
-            return Grid2p5D(gpc.axis(row), gpc.axis(col), dep_axis)
-        return Grid2p5D.serial()
+        """The current context's grid in mode '2d' / '2.5d'; a one-rank grid otherwise (serial)."""
+        ctx = current_context()
+        if ctx.tensor_mode not in ('2d', '2.5d'):
+            return Grid2p5D.serial()
+        roles = family(ctx.tensor_mode).roles
+        dep = roles.get('dep')
+        dep_axis = ctx.axis(dep) if dep is not None else \
+            ProcessGroupAxis.serial(ParallelMode.PARALLEL_2P5D_DEP)
+        return Grid2p5D(ctx.axis(roles['row']), ctx.axis(roles['col']), dep_axis)
 
     @staticmethod
     def serial() -> 'Grid2p5D':

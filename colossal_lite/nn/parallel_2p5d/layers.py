@@ -18,22 +18,27 @@ from torch import nn
 
 from ...communication import copy_to, reduce_from, reduce_scatter_to
 from ...context import ParallelMode, seed
-from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
-from ..functional import check_ids, tag_vocab_parallel, vocab_range_lookup
-from ..parallel_1d.layers import (Init, PatchEmbedding1D, _embedding_init,
-                                  linear_bias_init, linear_weight_init)
+from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
+from ..functional import check_ids, vocab_range_lookup
+from ..parallel_1d.layers import (PatchParameters, embedding_init, linear_bias_init,
+                                  linear_weight_init, ones_init, zeros_init)
 from .grid import Grid2p5D, resolve_grid
 from .summa import summa_linear
 
 
-def block_spec(grid: Grid2p5D) -> ShardSpec:
+def block_cuts(grid: Grid2p5D) -> tuple:
     """``[out, in] -> [out/q, in/q]``: dim 0 over ``col`` (chunk i), dim 1 over ``row`` (chunk j)."""
-    return ShardSpec.of((0, grid.col), (1, grid.row))
+    return (0, grid.col), (1, grid.row)
 
 
-def hidden_spec(grid: Grid2p5D, dim: int) -> ShardSpec:
+def hidden_cut(grid: Grid2p5D, dim: int) -> tuple:
     """Split ``dim`` over ``row`` (chunk j); replicated over ``col`` and ``dep``."""
-    return ShardSpec.of((dim, grid.row))
+    return (dim, grid.row)
+
+
+def batch_cuts(grid: Grid2p5D) -> tuple:
+    """The batch of the standard layout: chunk ``k*q + i`` (``dep`` outer, ``col`` inner)."""
+    return (0, grid.dep), (0, grid.col)
 
 
 class SummaAffine2p5D(ShardedModule):
@@ -53,11 +58,11 @@ class SummaAffine2p5D(ShardedModule):
         self.grid.check_hidden(in_features, 'in_features')
         self.grid.check_hidden(out_features, 'out_features')
         self.in_features, self.out_features = in_features, out_features
-        self.weight = tied_or_new_parameter(weight, (out_features, in_features), block_spec(self.grid),
-                                   weight_init or linear_weight_init(in_features), dtype)
-        self.bias = sharded_parameter((out_features,), hidden_spec(self.grid, 0),
-                                      bias_init or linear_bias_init(in_features),
-                                      dtype) if bias else None
+        self.weight = tied_or_new_parameter(weight, (out_features, in_features),
+                                            *block_cuts(self.grid), dtype=dtype,
+                                            init=weight_init or linear_weight_init(in_features))
+        self.bias = new_parameter((out_features,), hidden_cut(self.grid, 0), dtype=dtype,
+                                  init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
         y = summa_linear(x, self.weight, self.grid)
@@ -88,7 +93,7 @@ class VocabParallelClassifier2p5D(SummaAffine2p5D):
 
     def forward(self, x):
         logits = super().forward(x)
-        return tag_vocab_parallel(logits, self.grid.row)
+        return tag(logits, *batch_cuts(self.grid), (-1, self.grid.row))
 
 
 class Classifier2p5D(ShardedModule):
@@ -108,16 +113,16 @@ class Classifier2p5D(ShardedModule):
         self.grid = resolve_grid(grid)
         self.grid.check_hidden(in_features, 'Classifier in_features')
         self.in_features, self.num_classes = in_features, num_classes
-        self.weight = tied_or_new_parameter(weight, (num_classes, in_features), hidden_spec(self.grid, 1),
-                                   weight_init or linear_weight_init(in_features), dtype)
-        self.bias = sharded_parameter((num_classes,), ShardSpec(),
-                                      bias_init or linear_bias_init(in_features),
-                                      dtype) if bias else None
+        self.weight = tied_or_new_parameter(weight, (num_classes, in_features),
+                                            hidden_cut(self.grid, 1), dtype=dtype,
+                                            init=weight_init or linear_weight_init(in_features))
+        self.bias = new_parameter((num_classes,), dtype=dtype,
+                                  init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
         y = reduce_from(F.linear(x, self.grid.shared(self.weight)), self.grid.row)
-        return tag_vocab_parallel(y + self.grid.shared(self.bias) if self.bias is not None else y,
-                                  None)
+        return tag(y + self.grid.shared(self.bias) if self.bias is not None else y,
+                   *batch_cuts(self.grid))
 
 
 class LayerNorm2p5D(ShardedModule):
@@ -133,9 +138,9 @@ class LayerNorm2p5D(ShardedModule):
         self.grid = resolve_grid(grid)
         self.grid.check_hidden(normalized_shape, 'LayerNorm normalized_shape')
         self.normalized_shape, self.eps = normalized_shape, eps
-        spec = hidden_spec(self.grid, 0)
-        self.weight = sharded_parameter((normalized_shape,), spec, nn.init.ones_, dtype)
-        self.bias = sharded_parameter((normalized_shape,), spec, nn.init.zeros_, dtype)
+        cut = hidden_cut(self.grid, 0)
+        self.weight = new_parameter((normalized_shape,), cut, init=ones_init, dtype=dtype)
+        self.bias = new_parameter((normalized_shape,), cut, init=zeros_init, dtype=dtype)
 
     def _row_mean(self, t):
         total = reduce_from(t.sum(dim=-1, keepdim=True), self.grid.row)
@@ -164,8 +169,8 @@ class Embedding2p5D(ShardedModule):
         self.grid.check_hidden(embedding_dim, 'Embedding embedding_dim')
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
-        self.weight = sharded_parameter((num_embeddings, embedding_dim), hidden_spec(self.grid, 1),
-                                        weight_init or _embedding_init(padding_idx), dtype)
+        self.weight = new_parameter((num_embeddings, embedding_dim), hidden_cut(self.grid, 1),
+                                    init=embedding_init(padding_idx, weight_init), dtype=dtype)
 
     def forward(self, ids):
         check_ids(ids, self.num_embeddings, 'Embedding')
@@ -195,8 +200,8 @@ class VocabParallelEmbedding2p5D(ShardedModule):
         self.vocab_start = self.grid.i * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.padding_idx = padding_idx
-        self.weight = sharded_parameter((num_embeddings, embedding_dim), block_spec(self.grid),
-                                        weight_init or _embedding_init(padding_idx), dtype)
+        self.weight = new_parameter((num_embeddings, embedding_dim), *block_cuts(self.grid),
+                                    init=embedding_init(padding_idx, weight_init), dtype=dtype)
 
     def forward(self, ids):
         check_ids(ids, self.num_embeddings, 'VocabParallelEmbedding')
@@ -211,7 +216,7 @@ def _grid_dep_shared(weight, grid: Grid2p5D):
     return copy_to(weight, grid.dep)
 
 
-class PatchEmbedding2p5D(ShardedModule):
+class PatchEmbedding2p5D(PatchParameters):
     """Images -> ``[b', 1 + n, h/q]``: conv patches, class token, positions, all split along the
     hidden (embedding) dim over ``row`` and shared: proj.weight ``[h, C, P, P] -> [h/q, C, P, P]``,
     proj.bias ``[h] -> [h/q]``, cls_token ``[1, 1, h] -> [1, 1, h/q]``,
@@ -221,26 +226,13 @@ class PatchEmbedding2p5D(ShardedModule):
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int,
                  dtype=None, grid: Optional[Grid2p5D] = None, weight_init: Optional[Init] = None):
-        super().__init__()  # weight_init: accepted and ignored, as in the 1D family
-        self.grid = resolve_grid(grid)
-        self.grid.check_hidden(embed_size, 'PatchEmbedding embed_size')
-        full = PatchEmbedding1D(img_size, patch_size, in_chans, embed_size, dtype=dtype)  # serial draws
-        self.num_patches, self.patch_size = full.num_patches, patch_size
-        self.proj = ShardedModule()
-        for owner, name, dim in ((self.proj, 'weight', 0), (self.proj, 'bias', 0),
-                                 (self, 'cls_token', 2), (self, 'pos_embed', 2)):
-            source = getattr(full.proj if owner is self.proj else full, name).detach()
-            spec = hidden_spec(self.grid, dim)
-            owner.register_parameter(name, sharded_parameter(
-                source.shape, spec, lambda t, s=source: t.copy_(s), dtype=source.dtype))
+        grid = resolve_grid(grid)
+        grid.check_hidden(embed_size, 'PatchEmbedding embed_size')
+        super().__init__(img_size, patch_size, in_chans, embed_size, grid.row, dtype)
+        self.grid = grid
 
     def forward(self, images):
-        shared = self.grid.shared
-        x = F.conv2d(self.grid.split_batch(images), shared(self.proj.weight), shared(self.proj.bias),
-                     stride=self.patch_size)
-        x = x.flatten(2).transpose(1, 2)
-        cls = shared(self.cls_token).expand(x.shape[0], -1, -1)
-        return torch.cat([cls, x], dim=1) + shared(self.pos_embed)
+        return self.embed(self.grid.split_batch(images), self.grid.shared)
 
 
 class Dropout2p5D(nn.Module):

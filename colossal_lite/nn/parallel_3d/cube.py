@@ -28,13 +28,11 @@ import torch
 from ...communication import collective as C
 from ...communication import gather_from
 from ...communication.p2p import recv, send
-from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc
-from ...tensor import ShardSpec
+from ...context import ParallelMode, ProcessGroupAxis, current_context
+from ...families import family
 from .._grid import split_dim
 
-_MODES = (ParallelMode.PARALLEL_3D_INPUT, ParallelMode.PARALLEL_3D_WEIGHT,
-          ParallelMode.PARALLEL_3D_OUTPUT, ParallelMode.PARALLEL_3D_INPUT_X_WEIGHT,
-          ParallelMode.PARALLEL_3D_OUTPUT_X_WEIGHT)
+_ROLES = ('input', 'weight', 'output', 'input_x_weight', 'output_x_weight')
 
 
 @dataclass(frozen=True)
@@ -52,6 +50,11 @@ class ActLayout:
             parts *= ax.size
         return parts
 
+    @property
+    def batch_cuts(self) -> tuple:
+        """Cuts of dim 0 (the batch) of a tensor in this layout, outermost first."""
+        return tuple((0, ax) for ax in self.batch)
+
 
 @dataclass(frozen=True)
 class Orientation:
@@ -67,12 +70,12 @@ class Orientation:
     y_scatter: ProcessGroupAxis
 
     @property
-    def weight_spec(self) -> ShardSpec:
-        return ShardSpec.of((0, self.x_gather), (0, self.w_gather), (1, self.y_scatter))
+    def weight_cuts(self) -> tuple:
+        return (0, self.x_gather), (0, self.w_gather), (1, self.y_scatter)
 
     @property
-    def bias_spec(self) -> ShardSpec:
-        return ShardSpec.of((0, self.x_gather), (0, self.w_gather))
+    def bias_cuts(self) -> tuple:
+        return (0, self.x_gather), (0, self.w_gather)
 
 
 @dataclass(frozen=True)
@@ -95,11 +98,13 @@ class Cube3D:
 
     @staticmethod
     def from_context() -> 'Cube3D':
-        return Cube3D(*(gpc.axis(m) for m in _MODES))
+        ctx = current_context()
+        roles = family('3d').roles
+        return Cube3D(*(ctx.axis(roles[name]) for name in _ROLES))
 
     @staticmethod
     def serial() -> 'Cube3D':
-        return Cube3D(*(ProcessGroupAxis.serial(m) for m in _MODES))
+        return Cube3D(*(ProcessGroupAxis.serial(family('3d').roles[name]) for name in _ROLES))
 
     @property
     def q(self) -> int:
@@ -132,7 +137,7 @@ def default_cube(cube: Optional[Cube3D] = None) -> Cube3D:
     """``cube`` if given; the launched cube in mode '3d'; else a one-rank cube (serial)."""
     if cube is not None:
         return cube
-    if gpc.tensor_mode == '3d':
+    if current_context().tensor_mode == '3d':
         return Cube3D.from_context()
     return Cube3D.serial()
 

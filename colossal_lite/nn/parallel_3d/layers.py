@@ -11,7 +11,7 @@ their gradients summed over those groups (``shared_over`` = copy_to per group).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,15 +20,14 @@ from torch import nn
 from ...communication import collective as C
 from ...communication import reduce_from, reduce_scatter_to
 from ...context import ParallelMode, seed
-from ...tensor import ShardSpec, ShardedModule, sharded_parameter, tied_or_new_parameter
+from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
 from .._grid import shared_over
-from ..functional import check_ids, matmul_dtype, tag_vocab_parallel, vocab_range_lookup
-from ..parallel_1d.layers import _embedding_init, linear_bias_init, linear_weight_init
+from ..functional import check_ids, matmul_dtype, vocab_range_lookup
+from ..parallel_1d.layers import (PatchParameters, embedding_init, linear_bias_init,
+                                  linear_weight_init, ones_init, zeros_init)
 from .cube import (ActLayout, Cube3D, Orientation, check_batch, default_cube, split_batch,
                    sum_partials, swap_layout)
 
-Init = Callable[[torch.Tensor], object]
-LOGITS_LAYOUT_ATTR = '_cl_3d_logits_layout'
 
 
 def _check(size: int, parts: int, what: str, q: int):
@@ -38,11 +37,8 @@ def _check(size: int, parts: int, what: str, q: int):
 
 
 def tag_logits(logits: torch.Tensor, batch: ActLayout, vocab=None) -> torch.Tensor:
-    """Record the batch split (and the class split, if any) of logits for losses/gathers."""
-    setattr(logits, LOGITS_LAYOUT_ATTR, (batch, vocab))
-    if vocab is not None and vocab.size > 1:
-        tag_vocab_parallel(logits, vocab)
-    return logits
+    """Tag logits with their placement: the batch cut of ``batch``, the classes by ``vocab``."""
+    return tag(logits, *batch.batch_cuts, *(((-1, vocab),) if vocab is not None else ()))
 
 
 class _CubeLinear(torch.autograd.Function):
@@ -130,10 +126,11 @@ class Linear3D(ShardedModule):
         self.in_features, self.out_features, self.region = in_features, out_features, region
         self.keep_gathered = keep_gathered
         self.orient = self.cube.exit if region == 'exit' else self.cube.enter
-        self.weight = tied_or_new_parameter(weight, (out_features, in_features), self.orient.weight_spec,
-                                   weight_init or linear_weight_init(in_features), dtype)
-        self.bias = sharded_parameter((out_features,), self.orient.bias_spec,
-                                      bias_init or linear_bias_init(in_features), dtype) if bias else None
+        self.weight = tied_or_new_parameter(weight, (out_features, in_features),
+                                            *self.orient.weight_cuts, dtype=dtype,
+                                            init=weight_init or linear_weight_init(in_features))
+        self.bias = new_parameter((out_features,), *self.orient.bias_cuts, dtype=dtype,
+                                  init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
         if x.shape[-1] * self.cube.q != self.in_features:
@@ -178,10 +175,10 @@ class Classifier3D(ShardedModule):
         _check(in_features, self.cube.q, 'Classifier in_features', self.cube.q)
         self.in_features, self.num_classes = in_features, num_classes
         self.weight = tied_or_new_parameter(weight, (num_classes, in_features),
-                                   ShardSpec.of((1, self.cube.output)),
-                                   weight_init or linear_weight_init(in_features), dtype)
-        self.bias = sharded_parameter((num_classes,), ShardSpec(),
-                                      bias_init or linear_bias_init(in_features), dtype) if bias else None
+                                            (1, self.cube.output), dtype=dtype,
+                                            init=weight_init or linear_weight_init(in_features))
+        self.bias = new_parameter((num_classes,), dtype=dtype,
+                                  init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
         tokens = (self.cube.input_x_weight,)
@@ -205,9 +202,9 @@ class LayerNorm3D(ShardedModule):
         self.cube = default_cube(cube)
         _check(normalized_shape, self.cube.q, 'LayerNorm normalized_shape', self.cube.q)
         self.normalized_shape, self.eps = normalized_shape, eps
-        spec = ShardSpec.of((0, self.cube.output))
-        self.weight = sharded_parameter((normalized_shape,), spec, nn.init.ones_, dtype)
-        self.bias = sharded_parameter((normalized_shape,), spec, nn.init.zeros_, dtype)
+        cut = (0, self.cube.output)
+        self.weight = new_parameter((normalized_shape,), cut, init=ones_init, dtype=dtype)
+        self.bias = new_parameter((normalized_shape,), cut, init=zeros_init, dtype=dtype)
 
     def forward(self, x):
         axis, tokens = self.cube.output, (self.cube.input_x_weight,)
@@ -233,9 +230,8 @@ class Embedding3D(ShardedModule):
         self.cube = default_cube(cube)
         _check(embedding_dim, self.cube.q, 'Embedding embedding_dim', self.cube.q)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        self.weight = sharded_parameter((num_embeddings, embedding_dim),
-                                        ShardSpec.of((1, self.cube.output)),
-                                        weight_init or _embedding_init(padding_idx), dtype)
+        self.weight = new_parameter((num_embeddings, embedding_dim), (1, self.cube.output),
+                                    init=embedding_init(padding_idx, weight_init), dtype=dtype)
 
     def forward(self, ids):
         check_ids(ids, self.num_embeddings, 'Embedding')
@@ -266,8 +262,8 @@ class VocabParallelEmbedding3D(ShardedModule):
         plane = self.cube.input_x_weight
         self.vocab_start = plane.rank * (num_embeddings // plane.size)
         self.vocab_end = self.vocab_start + num_embeddings // plane.size
-        self.weight = sharded_parameter((num_embeddings, embedding_dim), self.cube.enter.weight_spec,
-                                        weight_init or _embedding_init(padding_idx), dtype)
+        self.weight = new_parameter((num_embeddings, embedding_dim), *self.cube.enter.weight_cuts,
+                                    init=embedding_init(padding_idx, weight_init), dtype=dtype)
 
     def forward(self, ids):
         check_batch(ids.shape[0], self.cube.standard, 'VocabParallelEmbedding ids')
@@ -277,53 +273,25 @@ class VocabParallelEmbedding3D(ShardedModule):
         return reduce_scatter_to(out, self.cube.input_x_weight, 0)
 
 
-class _PatchParams(ShardedModule):
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter):
-        super().__init__()
-        self.weight, self.bias = weight, bias
-
-
-class PatchEmbedding3D(ShardedModule):
+class PatchEmbedding3D(PatchParameters):
     """Images ``[b, C, H, W]`` -> standard ``[b/q^2, 1 + n, h/q]`` (class token + positions).
 
     proj.weight ``[h, C, P, P] -> [h/q, C, P, P]``, proj.bias, cls_token ``[1, 1, h]`` and
     pos_embed ``[1, 1 + n, h]`` cut along h by OUTPUT. Images are split by batch locally.
-    Forward: none. Backward: all_reduce of every gradient over INPUT_X_WEIGHT. Draws the
-    same initial values as the serial PatchEmbedding.
+    Forward: none. Backward: all_reduce of every gradient over INPUT_X_WEIGHT.
     """
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int,
                  cube: Optional[Cube3D] = None, dtype: Optional[torch.dtype] = None,
                  weight_init: Optional[Init] = None):
-        super().__init__()
-        if img_size % patch_size:
-            raise ValueError(f'img_size {img_size} must be divisible by patch_size {patch_size}')
-        self.cube = default_cube(cube)
-        _check(embed_size, self.cube.q, 'PatchEmbedding embed_size', self.cube.q)
-        self.num_patches, self.patch_size = (img_size // patch_size) ** 2, patch_size
-        conv = nn.Conv2d(in_chans, embed_size, patch_size, patch_size, dtype=dtype)  # serial draws
-        pos = torch.zeros(1, 1 + self.num_patches, embed_size, dtype=dtype)
-        cls = torch.zeros(1, 1, embed_size, dtype=dtype)
-        nn.init.trunc_normal_(pos, std=0.02)
-        nn.init.trunc_normal_(cls, std=0.02)
-        out_axis = self.cube.output
-
-        def cut(full, dim):
-            return sharded_parameter(full.shape, ShardSpec.of((dim, out_axis)),
-                                     lambda t: t.copy_(full), full.dtype)
-        self.proj = _PatchParams(cut(conv.weight.detach(), 0), cut(conv.bias.detach(), 0))
-        self.cls_token, self.pos_embed = cut(cls, 2), cut(pos, 2)
+        cube = default_cube(cube)
+        _check(embed_size, cube.q, 'PatchEmbedding embed_size', cube.q)
+        super().__init__(img_size, patch_size, in_chans, embed_size, cube.output, dtype)
+        self.cube = cube
 
     def forward(self, images):
         images = split_batch(images, self.cube.standard, 'PatchEmbedding images')
-        w, b, cls, pos = shared_over_all((self.proj.weight, self.proj.bias, self.cls_token,
-                                          self.pos_embed), self.cube)
-        x = F.conv2d(images, w, b, stride=self.patch_size).flatten(2).transpose(1, 2)
-        return torch.cat([cls.expand(x.shape[0], -1, -1), x], dim=1) + pos
-
-
-def shared_over_all(params, cube: Cube3D):
-    return [shared_over(p, (cube.input_x_weight,)) for p in params]
+        return self.embed(images, lambda p: shared_over(p, (self.cube.input_x_weight,)))
 
 
 class Dropout3D(nn.Module):

@@ -7,10 +7,10 @@ from ..parallel_1d import LayerNorm1D
 from ..registry import register
 from .layers import (RingAttentionCore, SequenceClassifier, SequenceDropout, SequenceEmbedding,
                      SequencePatchEmbedding, SequenceVocabClassifier, check_sequence_length,
-                     local_block, sequence_axis, sequence_axis_of, sequence_linear,
+                     is_sequence_split, local_block, sequence_axis, sequence_linear,
                      tag_sequence_split)
-from .losses import (SequenceCrossEntropyLoss, first_token_sequence, gather_logits_sequence,
-                     scale_grad)
+from ..losses import gather_logits
+from .losses import SequenceCrossEntropyLoss, first_token_sequence, scale_grad
 from .ring import RingAV, RingQK, ring_attention
 
 register('sequence', 'linear')(sequence_linear)
@@ -23,11 +23,11 @@ register('sequence', 'patch_embedding')(SequencePatchEmbedding)
 register('sequence', 'dropout')(SequenceDropout)
 register('sequence', 'cross_entropy')(SequenceCrossEntropyLoss)
 register('sequence', 'attention_core')(RingAttentionCore)
-register('sequence', 'gather_logits')(gather_logits_sequence)
+register('sequence', 'gather_logits')(gather_logits)
 register('sequence', 'first_token')(first_token_sequence)
 
 __all__ = ['RingAttentionCore', 'SequenceClassifier', 'SequenceDropout', 'SequenceEmbedding',
            'SequencePatchEmbedding', 'SequenceVocabClassifier', 'SequenceCrossEntropyLoss',
            'RingAV', 'RingQK', 'ring_attention', 'check_sequence_length', 'local_block',
-           'sequence_axis', 'sequence_axis_of', 'sequence_linear', 'tag_sequence_split',
-           'first_token_sequence', 'gather_logits_sequence', 'scale_grad']
+           'sequence_axis', 'is_sequence_split', 'sequence_linear', 'tag_sequence_split',
+           'first_token_sequence', 'scale_grad']

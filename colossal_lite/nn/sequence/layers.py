@@ -22,20 +22,21 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ...context import ParallelMode, ProcessGroupAxis, global_context as gpc, seed
+from ...context import ParallelMode, ProcessGroupAxis, current_context, seed
+from ...tensor import placement_of, tag
 from ..parallel_1d import (AttentionCore1D, Classifier1D, Dropout1D, Embedding1D,
                            PatchEmbedding1D, VocabParallelClassifier1D, linear_1d)
 from ..functional import check_ids
 from .ring import ring_attention
 
 SERIAL_1D = ProcessGroupAxis.serial(ParallelMode.PARALLEL_1D)
-SEQUENCE_AXIS_ATTR = '_cl_sequence_axis'
 
 
 def sequence_axis() -> ProcessGroupAxis:
-    """SEQUENCE when the launched mode is 'sequence', else a one-rank stand-in."""
-    if gpc.tensor_mode == 'sequence':
-        return gpc.axis(ParallelMode.SEQUENCE)
+    """SEQUENCE when the current context's mode is 'sequence', else a one-rank stand-in."""
+    ctx = current_context()
+    if ctx.tensor_mode == 'sequence':
+        return ctx.axis(ParallelMode.SEQUENCE)
     return ProcessGroupAxis.serial(ParallelMode.SEQUENCE)
 
 
@@ -57,14 +58,13 @@ def local_block(x: torch.Tensor, axis: ProcessGroupAxis, dim: int = 1,
 
 
 def tag_sequence_split(t: torch.Tensor, axis: ProcessGroupAxis) -> torch.Tensor:
-    """Mark ``t`` as split along dim 1 over ``axis`` (read by the loss and gather_logits)."""
-    if axis.size > 1:
-        setattr(t, SEQUENCE_AXIS_ATTR, axis)
-    return t
+    """Tag ``t`` as cut along dim 1 over ``axis`` (read by the loss and gather_logits)."""
+    return tag(t, (1, axis))
 
 
-def sequence_axis_of(t: torch.Tensor) -> Optional[ProcessGroupAxis]:
-    return getattr(t, SEQUENCE_AXIS_ATTR, None)
+def is_sequence_split(t: torch.Tensor) -> bool:
+    placement = placement_of(t)
+    return placement is not None and bool(placement.cut_modes(1))
 
 
 def sequence_linear(in_features: int, out_features: int, bias: bool = True,
