@@ -266,20 +266,6 @@ def linear_bytes(grid, b, s, h):
     return stats.bytes(), stats.wire_bytes()
 
 
-def linear_bytes_formula(b, s, h, q, d, elem=4):
-    """Docs formula (docs/tensor_parallel.md, 2D / 2.5D): bytes per rank, fwd + bwd, with bias."""
-    deep = 1 if d > 1 else 0
-    elems = 2 * b * s * h // (d * q) + 3 * h * h // q + h // q + deep * (h * h // (q * q) + h // q)
-    return elems * elem
-
-
-def linear_wire_bytes_formula(b, s, h, q, d, elem=4):
-    """Ring/chain bytes moved per rank: (q-1)/q of every broadcast and reduce,
-    2(q-1)/q of the col all_reduce, 2(d-1)/d of the dep all_reduces."""
-    summa = (q - 1) / q * (2 * b * s * h / (d * q) + 3 * h * h / q)
-    return elem * (summa + 2 * (q - 1) / q * h / q + 2 * (d - 1) / d * (h * h / q ** 2 + h / q))
-
-
 # ----------------------------------------------------------------- models
 def _gpt():
     model = GPT.from_preset('tiny')

@@ -9,6 +9,7 @@ from colossal_lite.context import ParallelMode as PM
 from colossal_lite.nn.parallel_1d import (Classifier1D, ColumnLinear1D, Dropout1D, Embedding1D,
                                           RowLinear1D, VocabParallelClassifier1D,
                                           VocabParallelEmbedding1D)
+from colossal_lite.formulas import mlp_1d_bytes
 from colossal_lite.tensor import placement_of
 from colossal_lite.testing import full_gradients, max_rel_diff, run_distributed
 
@@ -87,8 +88,8 @@ def test_mlp_block_communication_matches_formula(p):
     each b*s*h fp32 elements; ring wire bytes 2 * 2(p-1)/p * 4bsh."""
     config = dict(parallel=dict(tensor=dict(size=p, mode='1d')))
     for counts, total_calls in run_distributed(_mlp_block_counts, p, config, timeout=300):
-        nbytes = 4 * B * S * H
-        assert counts['all_reduce'] == (2, 2 * nbytes, 2 * 2 * (p - 1) / p * nbytes)
+        nbytes = mlp_1d_bytes(p, B, S, H)
+        assert counts['all_reduce'] == (2, nbytes, 2 * (p - 1) / p * nbytes)
         assert counts['all_gather'] == (0, 0, 0)
         assert total_calls == 2
 

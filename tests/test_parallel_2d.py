@@ -5,12 +5,12 @@ import torch
 import colossal_lite.nn as col_nn
 from colossal_lite.context import ParallelMode, ProcessGroupAxis
 from colossal_lite.nn.parallel_2p5d import Grid2p5D, Linear2p5D
+from colossal_lite.formulas import linear_2p5d_bytes, linear_2p5d_wire_bytes
 from colossal_lite.testing import run_distributed
 
 from tests._tp_grid_cases import (B, H, S, TOL, LAYER_CASES, check_dropout, check_layers,
                                   check_models,
-                                  layer_references, linear_bytes_formula,
-                                  linear_wire_bytes_formula, model_references)
+                                  layer_references, model_references)
 
 CFG_2D = dict(parallel=dict(tensor=dict(size=4, mode='2d')))
 
@@ -32,8 +32,8 @@ def test_2d_layers_equal_serial_and_linear_bytes_match_formula():
             assert diff <= TOL, f'rank {rank} {name} differs by {diff:.3g}'
         check_dropout(*res['dropout'], grid_shape=(2, 2))
         measured, wire = res['bytes']
-        assert measured == linear_bytes_formula(B, S, H, q=2, d=1)
-        assert abs(wire - linear_wire_bytes_formula(B, S, H, q=2, d=1)) < 1e-6
+        assert measured == linear_2p5d_bytes(B, S, H, q=2, d=1)
+        assert abs(wire - linear_2p5d_wire_bytes(B, S, H, q=2, d=1)) < 1e-6
 
 
 def test_2d_gpt_bert_vit_equal_serial_after_3_adamw_steps():

@@ -1,10 +1,10 @@
 """2.5D equals serial: layers at q=2 d=2 (8 ranks); GPT/BERT/ViT at q=2 d=1 and q=2 d=2."""
+from colossal_lite.formulas import linear_2p5d_bytes, linear_2p5d_wire_bytes
 from colossal_lite.testing import run_distributed
 
 from tests._tp_grid_cases import (B, H, S, TOL, LAYER_CASES, check_dropout, check_layers,
                                   check_models,
-                                  layer_references, linear_bytes_formula,
-                                  linear_wire_bytes_formula, model_references)
+                                  layer_references, model_references)
 from tests.test_parallel_2d import _assert_models
 
 
@@ -21,8 +21,8 @@ def test_2p5d_depth2_layers_equal_serial_and_linear_bytes_match_formula():
             assert diff <= TOL, f'rank {rank} {name} differs by {diff:.3g}'
         check_dropout(*res['dropout'], grid_shape=(4, 2))
         measured, wire = res['bytes']
-        assert measured == linear_bytes_formula(B, S, H, q=2, d=2)
-        assert abs(wire - linear_wire_bytes_formula(B, S, H, q=2, d=2)) < 1e-6
+        assert measured == linear_2p5d_bytes(B, S, H, q=2, d=2)
+        assert abs(wire - linear_2p5d_wire_bytes(B, S, H, q=2, d=2)) < 1e-6
 
 
 def test_2p5d_depth1_models_equal_serial():

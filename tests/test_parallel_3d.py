@@ -20,6 +20,7 @@ from colossal_lite.nn.parallel_3d import (AttentionCore3D, Classifier3D, Dropout
                                           VocabParallelClassifier3D, VocabParallelEmbedding3D,
                                           default_cube, first_token_3d, gather_activation,
                                           split_activation)
+from colossal_lite.formulas import linear_3d_bytes
 from colossal_lite.testing import full_gradients, max_rel_diff, run_distributed
 from colossal_lite.tensor import gather_full
 
@@ -167,15 +168,6 @@ def _dropout_and_error_checks(out, cube):
         out['error.out_features'] = 0.0 if '18 divisible by 4' in str(err) else 1.0
 
 
-def linear_bytes(b, s, h_in, h_out, q, bias=True, keep_gathered=False, elem=4):
-    """Per-rank buffer bytes of one 3D Linear forward+backward (docs/tensor_parallel.md, 3D section)."""
-    acts = 2 * b * s * (h_in + h_out) / q ** 2        # x, y, dy, dx gathers / scatters
-    weights = 2 * h_in * h_out / q ** 2                # all_gather A, reduce_scatter dA
-    biases = 2 * h_out / q if bias else 0              # all_gather b, reduce_scatter db
-    regather = 0 if keep_gathered else (b * s * h_in + h_in * h_out) / q ** 2
-    return int(elem * (acts + weights + biases + regather))
-
-
 def _comm_checks(out, cube):
     b, s, h_in, h_out, q = B, S, H, 2 * H, cube.q
     for region, keep in (('enter', False), ('exit', False), (None, False), ('enter', True)):
@@ -184,7 +176,7 @@ def _comm_checks(out, cube):
         x = split_activation(torch.randn(b, s, h_in), layout).requires_grad_()
         with comm_profile() as stats:
             layer(x).sum().backward()
-        expected = linear_bytes(b, s, h_in, h_out, q, keep_gathered=keep)
+        expected = linear_3d_bytes(b, s, h_in, h_out, q, keep_gathered=keep)
         calls = 8 if keep else 10
         _, j, l = cube.coords
         if region is None and j != l:   # swap_layout: send + recv of y forward, of dy backward

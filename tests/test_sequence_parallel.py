@@ -13,6 +13,7 @@ from colossal_lite.engine import allreduce_gradients
 from colossal_lite.nn import gather_logits
 from colossal_lite.nn.functional import attention
 from colossal_lite.tensor import gather_full
+from colossal_lite.formulas import ring_attention_bytes, ring_attention_saved_bytes
 from colossal_lite.testing import max_rel_diff, run_distributed
 
 B, S, H, HEADS = 2, 16, 32, 4          # ring attention case: batch, sequence, hidden, heads
@@ -26,19 +27,6 @@ def seq_config(p):
 def rel_diff(a, b) -> float:  # NaN-safe: see colossal_lite.testing.max_rel_diff
     """max |a - b| / max(1, max |b|): the fp32 comparison measure."""
     return max_rel_diff(a, b)
-
-
-# ----------------------------------------------------------------- formulas (docs/sequence_parallel.md)
-def ring_attention_send_bytes(p, b, s, h, elem=4):
-    """One ring self-attention forward + backward: 6(P-1) exchanges of a [b, s/P, h] block
-    (2 in forward: k, v; 4 in backward: k and dk, v and dv), each sent once and received once."""
-    return 6 * (p - 1) * b * (s // p) * h * elem
-
-
-def ring_attention_saved_bytes(p, b, s, h, n, elem=4):
-    """Activations one ring attention saves for backward (no mask, no dropout):
-    q, k, v in head layout (3 b s/P h) and the probabilities b n s/P s."""
-    return (3 * b * (s // p) * h + b * n * (s // p) * s) * elem
 
 
 def saved_tensor_bytes(fn):
@@ -108,7 +96,7 @@ def test_ring_attention_matches_serial_outputs_and_dq_dk_dv(ring_results, case):
 
 
 def test_ring_attention_bytes_equal_formula(ring_results):
-    expected = ring_attention_send_bytes(4, B, S, H)
+    expected = ring_attention_bytes(4, B, S, H)
     for res in ring_results:
         for case in ('plain', 'padding', 'causal', 'causal_padding'):
             assert res[case]['send_bytes'] == expected

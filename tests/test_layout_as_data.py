@@ -1,0 +1,190 @@
+"""Layout as data: weights drawn by name, placements, described (meta) builds.
+
+* A model built after ``launch(seed=S)`` in any layout holds, bit for bit, the weights of
+  the model built in one process with seed S -- without any ``load_state_dict``.
+* Every GPT parameter's placement turns its local shard into a DTensor whose full tensor
+  is the full parameter, and survives a JSON round trip.
+* A loss of the user's own on ``gather_logits`` output trains like the serial model in
+  every family (gather_logits is differentiable everywhere).
+* gpt2-xl built on meta for a described layout, in this process with no process group,
+  holds exactly the per-rank parameter bytes of the family formulas.
+"""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import colossal_lite.nn as col_nn
+from colossal_lite.config import parse_parallel
+from colossal_lite.context import ParallelContext, global_context as gpc, use_context
+from colossal_lite.engine import allreduce_gradients
+from colossal_lite.formulas import params as param_formulas
+from colossal_lite.tensor import (Placement, layout_mesh, parameter_bytes, placements,
+                                  to_dtensor)
+from colossal_lite.testing import full_gradients, max_rel_diff, run_distributed
+from model_zoo import BERT, GPT, ViT
+
+SEED = 4321
+LAYOUTS = {
+    'dp2_1d2': (4, dict(tensor=dict(size=2, mode='1d'))),
+    '2d': (4, dict(tensor=dict(size=4, mode='2d'))),
+    '2.5d_d1': (4, dict(tensor=dict(size=4, mode='2.5d', depth=1))),
+    '2.5d_d2': (8, dict(tensor=dict(size=8, mode='2.5d', depth=2))),
+    '3d': (8, dict(tensor=dict(size=8, mode='3d'))),
+    'dp2_seq2': (4, dict(tensor=dict(size=2, mode='sequence'))),
+}
+
+
+def _models(mode):
+    vit = dict(img_size=6) if mode == 'sequence' else {}  # 1 + 9 tokens split in 2
+    return {'gpt': GPT.from_preset('tiny'), 'bert': BERT.from_preset('tiny'),
+            'vit': ViT.from_preset('tiny', **vit)}
+
+
+def _serial_states(mode):
+    torch.manual_seed(SEED)
+    return {name: m.state_dict() for name, m in _models(mode).items()}
+
+
+def _custom_loss(logits, ids):
+    """Label-smoothed next-token loss plus a z-loss, on full logits."""
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+    ce = F.cross_entropy(flat, ids[:, 1:].reshape(-1), label_smoothing=0.1)
+    return ce + 1e-3 * torch.logsumexp(flat, dim=-1).pow(2).mean()
+
+
+def _ids():
+    return torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(7))
+
+
+def _gathered_loss_grads(model):
+    ids = _ids()
+    loss = _custom_loss(col_nn.gather_logits(model(ids)), ids)
+    loss.backward()
+    if gpc.is_initialized():
+        allreduce_gradients(model.parameters())  # same batch everywhere: completes sequence grads
+    return loss.detach(), full_gradients(model)
+
+
+def _rank_checks(rank, mode):
+    models = _models(mode)  # seeded by launch(seed=SEED): no load_state_dict anywhere
+    states = {name: m.state_dict() for name, m in models.items()}
+    gpt = models['gpt']
+    mesh = layout_mesh(gpc.layout)
+    dtensor_diffs, round_trips = {}, []
+    for name, param in gpt.named_parameters():
+        placement = placements(gpt)[name]
+        round_trips.append(Placement.from_json(placement.to_json()) == placement)
+        full = to_dtensor(param.detach(), placement, mesh, gpc.layout).full_tensor()
+        dtensor_diffs[name] = (full - states['gpt'][name]).abs().max().item()
+    loss, grads = _gathered_loss_grads(gpt)
+    return dict(states=states if rank == 0 else None, dtensor=dtensor_diffs,
+                round_trips=round_trips, loss=loss, grads=grads if rank == 0 else None)
+
+
+@pytest.mark.parametrize('name', list(LAYOUTS))
+def test_weights_placements_and_gathered_logits_in_every_layout(name):
+    world, parallel = LAYOUTS[name]
+    mode = parallel['tensor']['mode']
+    expected = _serial_states(mode)
+    torch.manual_seed(SEED)
+    serial_gpt = GPT.from_preset('tiny')
+    serial_loss, serial_grads = _gathered_loss_grads(serial_gpt)
+    results = run_distributed(_rank_checks, world, dict(parallel=parallel, seed=SEED), mode,
+                              timeout=300)
+    for model_name, state in expected.items():
+        got = results[0]['states'][model_name]
+        assert set(got) == set(state), model_name
+        for key, value in state.items():
+            assert torch.equal(got[key], value), f'{name} {model_name}.{key} differs from serial'
+    for rank, res in enumerate(results):
+        assert all(res['round_trips']) and len(res['round_trips']) > 10
+        assert max(res['dtensor'].values()) == 0.0, (rank, res['dtensor'])
+        assert max_rel_diff(res['loss'], serial_loss) <= 1e-5
+    grads = results[0]['grads']
+    assert set(grads) == set(serial_grads)
+    worst = max(serial_grads, key=lambda k: max_rel_diff(grads[k], serial_grads[k]))
+    assert max_rel_diff(grads[worst], serial_grads[worst]) <= 1e-5, worst
+
+
+def test_weights_depend_only_on_seed_and_name():
+    torch.manual_seed(1)
+    a = GPT.from_preset('tiny', layers=3)
+    torch.manual_seed(1)
+    b = GPT.from_preset('tiny', layers=2)      # a model with fewer layers: same first layers
+    torch.manual_seed(2)
+    c = GPT.from_preset('tiny', layers=2)
+    for key, value in b.state_dict().items():
+        assert torch.equal(a.state_dict()[key], value), key
+    assert not torch.equal(b.state_dict()['blocks.0.attn.query.weight'],
+                           c.state_dict()['blocks.0.attn.query.weight'])
+    assert not torch.equal(a.state_dict()['blocks.0.attn.query.weight'],
+                           a.state_dict()['blocks.0.attn.key.weight'])
+
+
+# ---------------------------------------------------------------------------- described builds
+XL_LAYOUTS = {  # gpt2-xl has 25 heads, which no split of 2, 4 or 8 divides: 32 heads of 50
+    '1d_t8': (8, dict(tensor=dict(size=8, mode='1d'))),
+    '2d_q4': (16, dict(tensor=dict(size=16, mode='2d'))),
+    '2.5d_q2_d2': (8, dict(tensor=dict(size=8, mode='2.5d', depth=2))),
+    '3d_q2': (8, dict(tensor=dict(size=8, mode='3d'))),
+}
+
+
+def _gpt_param_numel(layout, vocab, positions, hidden, layers):
+    f = param_formulas(layout.mode, layout)
+    h = hidden
+    block = (2 * f['layernorm'](h) + 3 * f['linear'](h, h, True, 'enter')
+             + f['linear'](h, h, True, 'exit') + f['linear'](h, 4 * h, True, 'enter')
+             + f['linear'](4 * h, h, True, 'exit'))
+    return (f['vocab_embedding'](vocab, h) + f['embedding'](positions, h) + layers * block
+            + f['layernorm'](h) + f['vocab_classifier'](h, vocab, False, True))
+
+
+def _described(world, parallel, rank=0):
+    layout = parse_parallel(parallel).with_world_size(world)
+    return layout, ParallelContext.describe(layout, rank)
+
+
+@pytest.mark.parametrize('name', list(XL_LAYOUTS))
+def test_gpt2_xl_on_meta_for_a_described_layout(name):
+    world, parallel = XL_LAYOUTS[name]
+    layout, ctx = _described(world, parallel, rank=world - 1)
+    start = time.perf_counter()
+    with use_context(ctx), torch.device('meta'):
+        model = GPT.from_preset('gpt2-xl', heads=32)
+    elapsed = time.perf_counter() - start
+    assert not gpc.is_initialized()
+    assert all(p.is_meta for p in model.parameters())
+    expected = 4 * _gpt_param_numel(layout, 50304, 1024, 1600, 48)
+    assert parameter_bytes(model) == expected
+    assert elapsed < 2.0, f'meta build took {elapsed:.2f} s'
+
+
+def test_described_build_reports_split_errors_and_refuses_to_run():
+    layout, ctx = _described(4, dict(tensor=dict(size=4, mode='1d')))
+    with use_context(ctx), torch.device('meta'), pytest.raises(ValueError, match='6 attention heads'):
+        GPT.from_preset('tiny', hidden=48, heads=6)
+    layout, ctx = _described(4, dict(tensor=dict(size=4, mode='2d')))
+    with use_context(ctx), pytest.raises(ValueError, match='divisible by 2'):
+        col_nn.Linear(16, 15)
+    with use_context(ctx):
+        layer = col_nn.LayerNorm(16)        # built (not on meta): shapes and shards only
+    assert layer.weight.shape == (8,)
+    with pytest.raises(RuntimeError, match='described layout'):
+        layer(torch.randn(4, 2, 8))
+
+
+def test_placements_of_a_described_3d_model():
+    layout, ctx = _described(8, dict(tensor=dict(size=8, mode='3d')), rank=5)
+    with use_context(ctx), torch.device('meta'):
+        model = GPT.from_preset('tiny')
+    places = placements(model)
+    fc1 = places['blocks.0.mlp.fc1.weight']
+    assert fc1.shape == (128, 32)
+    assert [m.name for _, m in fc1.cuts] == ['PARALLEL_3D_WEIGHT', 'PARALLEL_3D_INPUT',
+                                             'PARALLEL_3D_OUTPUT']
+    assert model.get_submodule('blocks.0.mlp.fc1').weight.shape == (32, 16)
+    assert [m.name for m in fc1.grad_sum] == []      # one replica: nothing for the engine
+    assert places['lm_head.weight'] == places['wte.weight']
