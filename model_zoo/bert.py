@@ -9,7 +9,7 @@ from torch import nn
 import colossal_lite.nn as col_nn
 from colossal_lite.tensor import init_by_name
 
-from .blocks import TransformerLayer, normal_init, preset_config, zeros_init
+from .blocks import layer_stack, normal_init, preset_config, zeros_init
 
 # 30522 is padded to 30528 (divisible by 64) so every tensor split divides
 BERT_PRESETS = {
@@ -36,10 +36,9 @@ class BERT(nn.Module):
             self.token_type_embeddings = col_nn.Embedding(type_vocab_size, hidden, weight_init=init)
             self.embed_ln = col_nn.LayerNorm(hidden, eps=eps)
             self.drop = col_nn.Dropout(dropout)
-            self.layers = nn.ModuleList(
-                TransformerLayer(hidden, heads, mlp_ratio, dropout, causal=False, pre_ln=False, eps=eps,
-                                 gelu_approximate='none', init_std=init_std, checkpoint=checkpoint)
-                for _ in range(layers))
+            self.layers = layer_stack(layers, hidden, heads, mlp_ratio, dropout,
+                                      causal=False, pre_ln=False, eps=eps, gelu_approximate='none',
+                                      init_std=init_std, checkpoint=checkpoint)
             self.mlm_dense = col_nn.Linear(hidden, hidden, weight_init=init, bias_init=zeros_init)
             self.mlm_act = nn.GELU()
             self.mlm_ln = col_nn.LayerNorm(hidden, eps=eps)

@@ -91,6 +91,13 @@ class TransformerLayer(nn.Module):
         return self._forward(x, key_padding_mask)
 
 
+def layer_stack(layers: int, hidden: int, heads: int, mlp_ratio: int, dropout: float,
+                **layer_options) -> nn.ModuleList:
+    """``layers`` :class:`TransformerLayer` blocks, serial names ``<attr>.0`` .. ``<attr>.{n-1}``."""
+    return nn.ModuleList(TransformerLayer(hidden, heads, mlp_ratio, dropout, **layer_options)
+                         for _ in range(layers))
+
+
 def preset_config(presets: dict, name: str, overrides: dict, family: str) -> dict:
     if name not in presets:
         raise ValueError(f"unknown {family} preset '{name}'; presets: {sorted(presets)}")

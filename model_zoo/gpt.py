@@ -7,7 +7,7 @@ from torch import nn
 import colossal_lite.nn as col_nn
 from colossal_lite.tensor import init_by_name
 
-from .blocks import TransformerLayer, normal_init, preset_config
+from .blocks import layer_stack, normal_init, preset_config
 
 # vocabularies are padded to a multiple of 128 (50257 -> 50304) so every tensor split divides
 GPT_PRESETS = {
@@ -32,10 +32,9 @@ class GPT(nn.Module):
             self.wte = col_nn.VocabParallelEmbedding(vocab_size, hidden, weight_init=normal_init(init_std))
             self.wpe = col_nn.Embedding(max_positions, hidden, weight_init=normal_init(0.01))
             self.drop = col_nn.Dropout(dropout)
-            self.blocks = nn.ModuleList(
-                TransformerLayer(hidden, heads, mlp_ratio, dropout, causal=True, pre_ln=True, eps=eps,
-                                 gelu_approximate='tanh', init_std=init_std, checkpoint=checkpoint)
-                for _ in range(layers))
+            self.blocks = layer_stack(layers, hidden, heads, mlp_ratio, dropout,
+                                      causal=True, pre_ln=True, eps=eps, gelu_approximate='tanh',
+                                      init_std=init_std, checkpoint=checkpoint)
             self.ln_f = col_nn.LayerNorm(hidden, eps=eps)
             self.lm_head = col_nn.VocabParallelClassifier(hidden, vocab_size, bias=False,
                                                           weight=self.wte.weight)

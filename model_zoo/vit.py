@@ -7,7 +7,7 @@ from torch import nn
 import colossal_lite.nn as col_nn
 from colossal_lite.tensor import init_by_name
 
-from .blocks import TransformerLayer, normal_init, preset_config, zeros_init
+from .blocks import layer_stack, normal_init, preset_config, zeros_init
 
 VIT_PRESETS = {
     # 'tiny' fits scikit-learn's 8x8 one-channel digits
@@ -30,10 +30,9 @@ class ViT(nn.Module):
         with init_by_name(self):  # each weight a function of (seed, its name)
             self.patch_embed = col_nn.PatchEmbedding(img_size, patch_size, in_chans, hidden)
             self.drop = col_nn.Dropout(dropout)
-            self.blocks = nn.ModuleList(
-                TransformerLayer(hidden, heads, mlp_ratio, dropout, causal=False, pre_ln=True, eps=eps,
-                                 gelu_approximate='none', init_std=init_std, checkpoint=checkpoint)
-                for _ in range(layers))
+            self.blocks = layer_stack(layers, hidden, heads, mlp_ratio, dropout,
+                                      causal=False, pre_ln=True, eps=eps, gelu_approximate='none',
+                                      init_std=init_std, checkpoint=checkpoint)
             self.norm = col_nn.LayerNorm(hidden, eps=eps)
             self.head = col_nn.Classifier(hidden, num_classes, weight_init=normal_init(init_std),
                                           bias_init=zeros_init)
