@@ -1,4 +1,5 @@
-"""Shared pieces of the engine / amp / trainer tests: tiny zoo models, batches, serial references.
+"""Shared pieces of the engine / amp / trainer tests: tiny zoo models, batches, serial references,
+and a two-half MLP for the serial schedule tests.
 
 The serial reference runs in the parent process (no launch: serial layers) with a
 plain torch loop (forward, backward, torch's clip_grad_norm_, AdamW). Ranks build
@@ -93,3 +94,23 @@ def serial_reference(family: str, batches, steps: int = 3, clip: float = 0.0, se
         opt.step()
     out['params'] = {k: v.clone() for k, v in model.state_dict().items()}
     return out
+
+
+def mlp(seed: int = 0) -> torch.nn.Sequential:
+    """A small two-half MLP: ``[0]`` = Linear + Tanh (first half), ``[1]`` = Linear (second)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh()),
+                               torch.nn.Linear(16, 5))
+
+
+def mlp_batch(batch: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 6, generator=g), torch.randint(0, 5, (batch,), generator=g)
+
+
+def full_batch_grads(model: torch.nn.Module, batch) -> tuple:
+    """(loss, {name: grad}) of one plain backward of the mean cross entropy on ``batch``."""
+    model.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}

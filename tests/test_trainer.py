@@ -1,6 +1,8 @@
 """Trainer and hooks: hooks run in priority order at every point; the metric hooks compute
-what a plain loop computes; a dp=2 run with gradient accumulation through Trainer.fit saves
-(rank 0) a checkpoint equal to the serial model trained on the concatenated batches."""
+what a plain loop computes; one trainer step is one schedule of M loader batches (steps per
+epoch, step losses, outputs and weights as a plain accumulation loop, partial steps dropped,
+also for a loader without len); a dp=2 run with gradient accumulation through Trainer.fit
+saves (rank 0) a checkpoint equal to the serial model trained on the concatenated batches."""
 from __future__ import annotations
 
 import os
@@ -12,6 +14,7 @@ import colossal_lite as clt
 from colossal_lite.trainer import hooks as H
 from colossal_lite.trainer import Trainer
 from colossal_lite.testing import max_rel_diff, run_distributed
+from colossal_lite.engine import Engine
 from tests._engine_cases import (build, criterion, global_batch, make_optimizer, replica_batch,
                                  serial_reference)
 
@@ -96,6 +99,72 @@ def test_tensorboard_hook_needs_tensorboard(tmp_path):
     else:
         with pytest.raises(ImportError, match='tensorboard'):
             H.TensorBoardHook(str(tmp_path))
+
+
+class OutputRecorder(H.BaseHook):
+    def __init__(self, uses_output=True):
+        super().__init__()
+        self.uses_train_output, self.seen = uses_output, []
+
+    def after_train_iter(self, trainer, output, label, loss):
+        self.seen.append((output, label))
+
+
+def _plain_accumulation(init, data, m, epochs):
+    """Step losses, step outputs and final weights of a plain torch loop over full steps."""
+    model = build('vit')
+    model.load_state_dict(init)
+    opt, crit = make_optimizer(model.parameters()), criterion('vit')
+    losses, outputs = [], []
+    for _ in range(epochs):
+        for step in range(len(data) // m):
+            opt.zero_grad()
+            micro = [model(x) for x, _ in data[step * m:(step + 1) * m]]
+            step_losses = [crit(out, y) for out, (_, y) in zip(micro, data[step * m:])]
+            (sum(step_losses) / m).backward()
+            opt.step()
+            losses.append(torch.stack(step_losses).mean().item())
+            outputs.append(torch.cat([o.detach() for o in micro]))
+    return losses, outputs, model.state_dict()
+
+
+class _NoLen:
+    def __init__(self, data):
+        self.data = data
+
+    def __iter__(self):
+        return iter(self.data)
+
+
+@pytest.mark.parametrize('loader', ['list', 'no_len'])
+def test_fit_steps_are_schedules_of_m_loader_batches(loader):
+    m, epochs = 2, 2
+    data = [global_batch('vit', seed=30 + i, batch=4) for i in range(7)]    # 3 steps, 1 left
+    torch.manual_seed(0)
+    model = build('vit')
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    losses, outputs, params = _plain_accumulation(init, data, m, epochs)
+    engine = Engine(model, make_optimizer(model.parameters()), criterion('vit'), num_microbatches=m)
+    trainer, rec = Trainer(engine), OutputRecorder()
+    trainer.fit(data if loader == 'list' else _NoLen(data), epochs=epochs,
+                hooks=[H.LogMetricByStepHook(printer=lambda line: None), H.LossHook(), rec,
+                       H.ThroughputHook(warmup=0)])
+    assert trainer.steps_per_epoch == (3 if loader == 'list' else None)
+    assert trainer.cur_step == 6 and len(trainer.history) == 6
+    assert [r['loss'] for r in trainer.history] == pytest.approx(losses, rel=1e-6)
+    assert trainer.metrics['samples_per_s'] * trainer.metrics['step_time_s'] == pytest.approx(8)
+    for step, ((out, label), expected) in enumerate(zip(rec.seen, outputs)):
+        labels = torch.cat([y for _, y in data[(step % 3) * m:(step % 3 + 1) * m]])
+        assert max_rel_diff(out, expected) <= 1e-5 and torch.equal(label, labels), step
+    worst = max(max_rel_diff(engine.model.state_dict()[k], v) for k, v in params.items())
+    assert worst <= 1e-6, worst
+    quiet = OutputRecorder(uses_output=False)      # no hook reads outputs: none are kept
+    Trainer(engine).fit(data, max_steps=1, hooks=[quiet, H.LossHook()])
+    assert quiet.seen == [(None, None)]
+    odd = global_batch('vit', seed=40, batch=3)    # a test batch is one micro-batch
+    with torch.no_grad():
+        expected = criterion('vit')(engine.model.eval()(odd[0]), odd[1]).item()
+    assert trainer.evaluate([odd], hooks=[H.LossHook()])['test_loss'] == pytest.approx(expected)
 
 
 ACCUM, STEPS = 2, 2

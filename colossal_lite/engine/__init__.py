@@ -1,5 +1,5 @@
 """Engine, gradient handling (bucketed data-parallel all-reduce, clipping), checkpointing,
-and the non-pipeline schedule."""
+and the non-pipeline schedule (which runs the M micro-batches of one optimizer step)."""
 from .checkpoint import checkpoint
 from .clip import clip_grad_norm, grad_norm
 from .engine import Engine

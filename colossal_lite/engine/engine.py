@@ -1,23 +1,36 @@
 """Engine: the model, optimizer, criterion and every per-step policy of the config.
 
-One optimizer update with gradient accumulation N is::
+One optimizer update over M = ``num_microbatches`` micro-batches is::
 
-    engine.zero_grad()                       # clears grads at the start of a cycle only
-    for micro_batch in N micro-batches:
-        out = engine(inputs); loss = engine.criterion(out, labels)   # or execute_schedule
-        engine.backward(loss)                # backward of loss / N; no sync before the last
-    engine.step()                            # on the N-th call only (returns True):
+    engine.zero_grad()
+    engine.execute_schedule(batch_or_iterator)   # forward + loss + backward of all M
+    engine.step()                                # sync, unscale, clip, optimizer step
+
+or, by hand, one micro-batch at a time (both paths share the micro-step count)::
+
+    for micro_batch in M micro-batches:
+        engine.zero_grad()                       # clears grads at the start of a cycle only
+        out = engine(inputs); loss = engine.criterion(out, labels)
+        engine.backward(loss)                    # backward of loss / M; no sync before the last
+        engine.step()                            # acts on the M-th call only (returns True):
         # 1. data-parallel all-reduce of gradients (bucketed, overlapped with the last backward)
         # 2. amp.unscale(): skip on every rank if any rank saw inf/nan (naive/torch-fp16)
         # 3. clip to clip_grad_norm with the serial model's norm   4. optimizer step
         # 5. loss-scale update
 
-``zero_grad`` and ``step`` may be called every micro-step: they act only at the
-start and end of an accumulation cycle, so single-device loops work unchanged.
+What a micro-step's backward accumulates into the gradients (S = the AMP loss scale,
+1 without a scaler):
+
+* ``backward(loss)``: the gradient of ``S * loss / M``;
+* ``backward_by_grad(output, output_grad)``: the vector-Jacobian product of
+  ``output_grad`` as given, neither divided by M nor multiplied by S: on a pipeline
+  stage the incoming gradient comes from the next stage's backward and already
+  carries both (every stage must use the same S). ``step()`` divides by S once.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import numbers
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -26,23 +39,48 @@ from .clip import clip_grad_norm
 from .gradient_handler import GradientReducer
 from .schedule import NonPipelineSchedule
 
+Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def _count(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f'{name} must be a positive integer, got {value!r}')
+    return int(value)
+
+
+def resolve_microbatches(num_microbatches=None, gradient_accumulation=None) -> int:
+    """M from ``num_microbatches`` or its alias ``gradient_accumulation`` (1 when neither)."""
+    given = {k: _count(v, k) for k, v in (('num_microbatches', num_microbatches),
+                                          ('gradient_accumulation', gradient_accumulation))
+             if v is not None}
+    if len(set(given.values())) > 1:
+        raise ValueError(f'num_microbatches = {num_microbatches} and its alias '
+                         f'gradient_accumulation = {gradient_accumulation} differ; pass one')
+    return next(iter(given.values()), 1)
+
+
+def _as_tuple(obj: Tensors) -> tuple:
+    return (obj,) if torch.is_tensor(obj) or obj is None else tuple(obj)
+
 
 class Engine:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  criterion: Optional[torch.nn.Module] = None,
                  gradient_handler: Optional[GradientReducer] = None,
                  amp: Optional[FullPrecision] = None, clip_grad_norm: float = 0.0,
-                 gradient_accumulation: int = 1, schedule: Optional[NonPipelineSchedule] = None):
-        if int(gradient_accumulation) < 1:
-            raise ValueError(f'gradient_accumulation must be >= 1, got {gradient_accumulation}')
+                 num_microbatches: Optional[int] = None,
+                 schedule: Optional[NonPipelineSchedule] = None, *,
+                 gradient_accumulation: Optional[int] = None):
+        """``num_microbatches`` (M, default 1): micro-batches per optimizer step;
+        ``gradient_accumulation`` is an alias of it."""
+        self._num_microbatches = resolve_microbatches(num_microbatches, gradient_accumulation)
         self._model, self._optimizer, self._criterion = model, optimizer, criterion
         self.gradient_handler = gradient_handler
         self.amp = amp or FullPrecision(model, optimizer)
         self.clip_grad_norm = float(clip_grad_norm or 0.0)
-        self.gradient_accumulation = int(gradient_accumulation)
         self.schedule = schedule or NonPipelineSchedule()
-        self._micro_step = 0             # backward calls in the current accumulation cycle
-        self.global_step = 0             # accumulation cycles completed (updates attempted)
+        self._micro_step = 0             # backward calls in the current cycle
+        self.global_step = 0             # cycles completed (updates attempted)
         self.last_grad_norm: Optional[float] = None
         self.overflow = False            # whether the last update was skipped for inf/nan
 
@@ -60,13 +98,23 @@ class Engine:
         return self._criterion
 
     @property
+    def num_microbatches(self) -> int:
+        """M: micro-batches (backward calls) per optimizer step."""
+        return self._num_microbatches
+
+    @property
+    def gradient_accumulation(self) -> int:
+        """Alias of :attr:`num_microbatches`."""
+        return self._num_microbatches
+
+    @property
     def loss_scale(self) -> float:
         return self.amp.loss_scale
 
     @property
     def at_boundary(self) -> bool:
-        """Whether the next ``step()`` ends an accumulation cycle."""
-        return self._micro_step >= self.gradient_accumulation
+        """Whether the next ``step()`` ends the cycle of M micro-steps."""
+        return self._micro_step >= self._num_microbatches
 
     def train(self):
         self._model.train()
@@ -85,22 +133,45 @@ class Engine:
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor):
-        """Backward of ``loss / gradient_accumulation``; the data-parallel sync starts
-        (overlapped) only in the backward that ends the accumulation cycle."""
-        if self._micro_step >= self.gradient_accumulation:
-            raise RuntimeError(f'backward() called {self._micro_step + 1} times without step(); '
-                               f'gradient_accumulation is {self.gradient_accumulation}')
+    def _begin_micro_step(self, what: str):
+        """Count one micro-step; arm the data-parallel sync when it is the M-th."""
+        if self.at_boundary:
+            raise RuntimeError(f'{what}() called {self._micro_step + 1} times without step(); '
+                               f'num_microbatches is {self._num_microbatches}')
         self._micro_step += 1
         if self.gradient_handler is not None:
             self.gradient_handler.prepare(sync=self.at_boundary)
-        if self.gradient_accumulation > 1:
-            loss = loss / self.gradient_accumulation
+
+    def backward(self, loss: torch.Tensor):
+        """Backward of ``loss / M`` (times the AMP loss scale); the data-parallel sync
+        starts (overlapped) only in the backward of the M-th micro-step."""
+        self._begin_micro_step('backward')
+        if self._num_microbatches > 1:
+            loss = loss / self._num_microbatches
         self.amp.backward(loss)
 
+    def backward_by_grad(self, output: Tensors, output_grad: Tensors):
+        """Backward from ``output`` (a tensor or a sequence) given the gradient of the
+        step's objective with respect to it (same structure; None gradients and outputs
+        without grad are skipped). ``output_grad`` is used as given: not divided by M,
+        not multiplied by the loss scale (it already carries both).
+        Counted as one micro-step, like ``backward``."""
+        outputs, grads = _as_tuple(output), _as_tuple(output_grad)
+        if len(outputs) != len(grads):
+            raise ValueError(f'backward_by_grad got {len(outputs)} outputs and '
+                             f'{len(grads)} gradients')
+        if self.amp.name == 'apex':
+            raise NotImplementedError("backward_by_grad is not supported with fp16 mode 'apex' "
+                                      "(apex unscales inside its own loss backward)")
+        pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads)
+                 if g is not None and o.requires_grad]
+        self._begin_micro_step('backward_by_grad')
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
     def step(self) -> bool:
-        """Apply the update at the end of an accumulation cycle; True when this call did
-        (the update may still be skipped for overflow: see ``engine.overflow``)."""
+        """Apply the update at the end of the cycle of M micro-steps; True when this call
+        did (the update may still be skipped for overflow: see ``engine.overflow``)."""
         if self._micro_step == 0:
             raise RuntimeError('step() called without engine.backward(loss) since the last step; '
                                'use engine.backward (not loss.backward) so the engine can '
@@ -121,20 +192,44 @@ class Engine:
         return True
 
     def zero_grad(self):
-        """Clear gradients, unless an accumulation cycle is in progress."""
+        """Clear gradients, unless a cycle of micro-steps is in progress."""
         if self._micro_step == 0:
             self.amp.zero_grad()
 
     def discard_accumulation(self):
-        """Drop a partial accumulation cycle (its gradients and micro-step count)."""
+        """Drop a partial cycle (its gradients and micro-step count)."""
         self._micro_step = 0
         self.amp.zero_grad()
 
     def execute_schedule(self, data_iter_or_batch: Any, forward_only: bool = False,
-                         return_loss: bool = True, return_output: bool = False):
-        """Run one batch through the schedule: ``(output, label, loss)`` (None where not asked)."""
-        return self.schedule.run(self, data_iter_or_batch, forward_only=forward_only,
+                         return_loss: bool = True, return_output: bool = False,
+                         num_microbatches: Optional[int] = None):
+        """All M micro-batches of one step (a batch split into M, or M batches of an
+        iterator) through the schedule -> ``(output, labels, loss)``: the micro-batches'
+        outputs (detached) and labels concatenated along dim 0 (None unless
+        ``return_output``) and the mean of their losses (detached; None unless
+        ``return_loss``). Without ``forward_only`` each micro-batch runs ``backward``;
+        ``step()`` follows. ``num_microbatches`` may differ from M only with
+        ``forward_only`` (e.g. 1: a test batch as one micro-batch). Raises
+        ``StopIteration`` (nothing computed) when an iterator has fewer batches."""
+        num = self._schedule_microbatches(forward_only, num_microbatches)
+        return self.schedule.run(self, data_iter_or_batch, num, forward_only=forward_only,
                                  return_loss=return_loss, return_output=return_output)
+
+    def _schedule_microbatches(self, forward_only: bool, num_microbatches: Optional[int]) -> int:
+        num = self._num_microbatches if num_microbatches is None else _count(
+            num_microbatches, 'num_microbatches')
+        if forward_only:
+            return num
+        if num != self._num_microbatches:
+            raise ValueError(f'a training schedule runs the engine\'s num_microbatches = '
+                             f'{self._num_microbatches} micro-batches, got {num}; another '
+                             f'count is only for forward_only=True')
+        if self._micro_step:
+            raise RuntimeError(f'execute_schedule runs all {num} micro-batches of a step, but '
+                               f'{self._micro_step} backward call(s) of this step were already '
+                               f'made; call engine.step() first')
+        return num
 
     def state_dict(self) -> dict:
         """Full model weights (serial keys; collective over the shard groups) and step state."""

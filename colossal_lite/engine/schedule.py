@@ -1,4 +1,4 @@
-"""The non-pipeline schedule: one batch -> forward, loss, backward.
+"""The non-pipeline schedule: one optimizer step's M micro-batches -> forward, loss, backward.
 
 A batch is ``(inputs, labels)`` or a dict:
 
@@ -9,26 +9,49 @@ A batch is ``(inputs, labels)`` or a dict:
 * a dict batch: its ``'labels'`` (or ``'label'``) entry is the labels, the rest the
   model's keyword inputs.
 
+The M micro-batches of a step come from
+
+* a batch: every tensor (with a batch dim) is cut along dim 0 into M equal parts;
+  other values go to every micro-batch. A batch size M does not divide is a
+  ``ValueError`` before any forward;
+* an iterator (e.g. ``iter(dataloader)``): its next M batches, one per micro-batch.
+  When it runs out first, ``StopIteration`` is raised and nothing is computed (the
+  batches drawn are dropped).
+
 Every tensor is moved to the run's device. Each data-parallel replica passes its
 own slice of the global batch; tensor-parallel ranks pass the same full batch.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Tuple
+from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
 
 from ..context import global_context as gpc
 
 
-def to_device(obj: Any, device: torch.device) -> Any:
+def _rebuild(obj, items):
+    """A tuple/list (or namedtuple) like ``obj`` holding ``items``."""
+    return type(obj)(*items) if hasattr(obj, '_fields') else type(obj)(items)
+
+
+def _map(fn: Callable, obj: Any) -> Any:
+    """``fn`` applied to every tensor in nested tuples/lists/dicts."""
     if torch.is_tensor(obj):
-        return obj.to(device, non_blocking=True)
+        return fn(obj)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(o, device) for o in obj)
+        return _rebuild(obj, [_map(fn, o) for o in obj])
     if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
+        return {k: _map(fn, v) for k, v in obj.items()}
     return obj
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    return _map(lambda t: t.to(device, non_blocking=True), obj)
+
+
+def detached(obj: Any) -> Any:
+    return _map(torch.Tensor.detach, obj)
 
 
 def split_batch(batch: Any) -> Tuple[Any, Any]:
@@ -55,23 +78,94 @@ def call_with(fn, first, obj):
     return fn(*first, obj)
 
 
-class NonPipelineSchedule:
-    """Forward (and backward) of one batch on the whole model held by this rank."""
+def chunk(obj: Any, num: int, where: str = 'batch') -> list:
+    """``num`` micro-batches of ``obj``: tensors cut into equal parts along dim 0."""
+    if torch.is_tensor(obj) and obj.dim() > 0:
+        if obj.shape[0] % num:
+            raise ValueError(f'num_microbatches = {num} does not divide the batch size '
+                             f'{obj.shape[0]} of {where} (shape {tuple(obj.shape)}); use a '
+                             f'batch size that is a multiple of {num}')
+        return list(obj.tensor_split(num))
+    if isinstance(obj, (tuple, list)):
+        parts = [chunk(o, num, f'{where}[{i}]') for i, o in enumerate(obj)]
+        return [_rebuild(obj, [p[m] for p in parts]) for m in range(num)]
+    if isinstance(obj, dict):
+        parts = {k: chunk(v, num, f'{where}[{k!r}]') for k, v in obj.items()}
+        return [{k: p[m] for k, p in parts.items()} for m in range(num)]
+    return [obj] * num
 
-    def run(self, engine, data: Any, forward_only: bool = False, return_loss: bool = True,
-            return_output: bool = False):
-        batch = next(data) if isinstance(data, Iterator) else data
-        inputs, labels = to_device(split_batch(batch), gpc.device)
+
+def concat(parts: list) -> Any:
+    """The micro-batch results ``parts`` joined: tensors with a batch dim concatenated along
+    dim 0, anything else taken from the last part."""
+    last = parts[-1]
+    if len(parts) == 1:
+        return last
+    if torch.is_tensor(last):
+        return torch.cat(parts, dim=0) if last.dim() > 0 else last
+    if isinstance(last, (tuple, list)):
+        return _rebuild(last, [concat([p[i] for p in parts]) for i in range(len(last))])
+    if isinstance(last, dict):
+        return {k: concat([p[k] for p in parts]) for k in last}
+    return last
+
+
+def micro_batches(data: Any, num: int) -> List[Tuple[Any, Any]]:
+    """The ``num`` ``(inputs, labels)`` micro-batches of a batch or the next ``num`` batches
+    of an iterator (``StopIteration`` if it has fewer)."""
+    if not isinstance(data, Iterator):
+        inputs, labels = split_batch(data)
+        return list(zip(chunk(inputs, num, 'inputs'), chunk(labels, num, 'labels')))
+    drawn = []
+    for _ in range(num):
+        try:
+            drawn.append(next(data))
+        except StopIteration:
+            raise StopIteration(f'the data iterator ran out after {len(drawn)} of '
+                                f'num_microbatches = {num} batches; nothing was computed') from None
+    return [split_batch(batch) for batch in drawn]
+
+
+class NonPipelineSchedule:
+    """Every micro-batch of a step, one after the other, on the whole model of this rank."""
+
+    def run(self, engine, data: Any, num_microbatches: int, forward_only: bool = False,
+            return_loss: bool = True, return_output: bool = False):
+        """``(output, labels, loss)``: the micro-batches' outputs and labels concatenated
+        (None unless ``return_output``), the mean of their losses (detached; None unless
+        ``return_loss``). Without ``forward_only`` each micro-batch's loss goes through
+        ``engine.backward`` (which scales it by 1/M)."""
+        need_loss = return_loss or not forward_only
+        if need_loss and engine.criterion is None:
+            raise ValueError('execute_schedule needs a criterion to compute the loss; '
+                             'pass one to initialize() or use return_loss=False')
+        micro = micro_batches(data, num_microbatches)  # every check before any forward
+        outputs, labels, losses = [], [], []
+        for batch in micro:
+            output, label, loss = self._micro_step(engine, batch, forward_only, need_loss)
+            if return_output:
+                outputs.append(detached(output))
+                labels.append(label)
+            if loss is not None:
+                losses.append(loss.detach())
+        return (concat(outputs) if return_output else None,
+                concat(labels) if return_output else None,
+                _mean(losses) if return_loss else None)
+
+    @staticmethod
+    def _micro_step(engine, batch, forward_only: bool, need_loss: bool):
+        inputs, labels = to_device(batch, gpc.device)
         with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
             output = call_with(engine, (), inputs)
             loss = None
-            if return_loss or not forward_only:
-                if engine.criterion is None:
-                    raise ValueError('execute_schedule needs a criterion to compute the loss; '
-                                     'pass one to initialize() or use return_loss=False')
+            if need_loss:
                 with engine.autocast():
                     loss = call_with(engine.criterion, (output,), labels)
             if not forward_only:
                 engine.backward(loss)
-        return (output if return_output else None, labels if return_output else None,
-                loss.detach() if (return_loss and loss is not None) else None)
+        return output, labels, loss
+
+
+def _mean(losses: list) -> torch.Tensor:
+    """The mean micro-batch loss (fp32 when there are several; one is returned as is)."""
+    return losses[0] if len(losses) == 1 else torch.stack(losses).float().mean()

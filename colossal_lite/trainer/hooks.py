@@ -33,9 +33,12 @@ def _data_sum(values) -> torch.Tensor:
 
 
 class BaseHook:
-    """A no-op at every point; subclasses override what they need."""
+    """A no-op at every point; subclasses override what they need. ``uses_train_output``:
+    whether ``after_train_iter`` reads ``output``/``label`` (the step's micro-batch outputs
+    are kept only when a hook does; otherwise both are None)."""
 
     priority = OUTPUT_PRIORITY
+    uses_train_output = True
 
     def __init__(self, priority: Optional[int] = None):
         if priority is not None:
@@ -57,6 +60,7 @@ class LossHook(BaseHook):
     """``loss``: this step's loss averaged over data-parallel replicas; ``epoch_loss`` and
     ``test_loss``: means over the epoch's steps / the test batches. One DATA all_reduce each."""
 
+    uses_train_output = False
     priority = METRIC_PRIORITY
 
     def before_epoch(self, trainer):
@@ -120,6 +124,7 @@ class AccuracyHook(BaseHook):
 class LRSchedulerHook(BaseHook):
     """Steps ``lr_scheduler`` after every optimizer step (or epoch with ``by_epoch``); ``lr``."""
 
+    uses_train_output = False
     priority = SCHEDULER_PRIORITY
 
     def __init__(self, lr_scheduler, by_epoch: bool = False, priority: Optional[int] = None):
@@ -157,6 +162,7 @@ class ThroughputHook(BaseHook):
     data-parallel size / step time), ``tflops`` = 6 * parameters * tokens/s / 1e12 (the
     forward+backward estimate), ``step_time_s`` (mean)."""
 
+    uses_train_output = False
     priority = METRIC_PRIORITY
 
     def __init__(self, warmup: int = 1, priority: Optional[int] = None):
@@ -200,6 +206,7 @@ class MemoryHook(BaseHook):
     """``peak_memory_mb``: list of every rank's peak (all_gather over GLOBAL) after each
     epoch and test, and every ``interval`` steps when given."""
 
+    uses_train_output = False
     priority = METRIC_PRIORITY
 
     def __init__(self, interval: Optional[int] = None, priority: Optional[int] = None):
@@ -241,6 +248,8 @@ class LogMetricByStepHook(BaseHook):
     """Every ``interval`` steps: append ``{step, epoch, **metrics}`` to ``trainer.history`` and
     print it on rank 0 with ``printer``."""
 
+    uses_train_output = False
+
     def __init__(self, interval: int = 1, printer: Callable[[str], object] = print,
                  priority: Optional[int] = None):
         super().__init__(priority)
@@ -276,6 +285,8 @@ class SaveCheckpointHook(BaseHook):
     keys; every rank joins the gathers), step counters and the LR scheduler's state; rank 0
     writes ``path`` (``{epoch}``/``{step}`` are filled in) with ``torch.save``."""
 
+    uses_train_output = False
+
     def __init__(self, path: str, interval: int = 1, by_step: bool = False, lr_scheduler=None,
                  priority: Optional[int] = None):
         super().__init__(priority)
@@ -300,6 +311,8 @@ class SaveCheckpointHook(BaseHook):
 
 class TensorBoardHook(BaseHook):
     """Scalar metrics to TensorBoard on rank 0 after every step and test; needs tensorboard."""
+
+    uses_train_output = False
 
     def __init__(self, log_dir: str, priority: Optional[int] = None):
         super().__init__(priority)

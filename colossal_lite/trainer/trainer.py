@@ -4,17 +4,23 @@ Call order (hooks sorted by ascending ``priority``, ties in the order given)::
 
     before_train
       before_epoch
-        before_train_iter ; <gradient_accumulation micro-batches> ; after_train_iter(output, label, loss)
+        before_train_iter ; <one step: M micro-batches> ; after_train_iter(output, label, loss)
         ...
       after_epoch
       [every test_interval epochs] before_test ; (before_test_iter ; after_test_iter)* ; after_test
     after_train
 
-One trainer step is one optimizer update: ``engine.gradient_accumulation``
-micro-batches, each through ``engine.execute_schedule``; the step's loss is the
-mean of the micro-batch losses. ``max_steps`` counts these steps over all epochs.
-A partial accumulation at the end of an epoch is dropped. ``trainer.metrics``
-holds what metric hooks computed; ``trainer.history`` one dict per logged step.
+One trainer step is ``engine.execute_schedule(loader_iterator)`` (the engine's
+schedule draws its M = ``engine.num_microbatches`` loader batches, one per
+micro-batch) and ``engine.step()``; the step's loss is the mean of the micro-batch
+losses, output and label those of the M micro-batches concatenated (kept only when
+a hook's ``uses_train_output`` asks for them). ``steps_per_epoch`` is
+``len(loader) // M``; a partial step at the end of an epoch is dropped (a loader
+without ``len`` ends an epoch when the schedule raises ``StopIteration``; then
+that last ``before_train_iter`` has no ``after_train_iter``). ``max_steps``
+counts steps over all epochs. Each test batch is one forward-only micro-batch.
+``trainer.metrics`` holds what metric hooks computed; ``trainer.history`` one
+dict per logged step.
 """
 from __future__ import annotations
 
@@ -48,6 +54,24 @@ def _count(batch: Any) -> tuple:
     return samples, tokens
 
 
+class _CountingIterator:
+    """A loader iterator that adds up the samples and tokens of the batches it yields."""
+
+    def __init__(self, iterator):
+        self._iterator = iterator
+        self.samples = self.tokens = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self._iterator)
+        samples, tokens = _count(batch)
+        self.samples += samples
+        self.tokens += tokens
+        return batch
+
+
 class Trainer:
     def __init__(self, engine):
         self.engine = engine
@@ -74,43 +98,36 @@ class Trainer:
             getattr(hook, event)(self, *args)
 
     # --------------------------------------------------------------- training
-    def _next_micro_batches(self, batches) -> Optional[list]:
-        """The next ``gradient_accumulation`` batches, or None if the loader runs out first."""
-        micro = []
-        for _ in range(self.engine.gradient_accumulation):
-            try:
-                micro.append(next(batches))
-            except StopIteration:
-                return None
-        return micro
+    def _wants_train_output(self) -> bool:
+        """Whether some hook's (overridden) after_train_iter reads the step's output."""
+        base = BaseHook.after_train_iter
+        return any(h.uses_train_output and getattr(h.after_train_iter, '__func__', None) is not base
+                   for h in self.hooks)
 
-    def _train_step(self, micro_batches: list) -> tuple:
-        """One optimizer update over the micro-batches: (last output, last label, mean loss)."""
-        engine, losses = self.engine, []
-        self.step_samples = self.step_tokens = 0
+    def _train_step(self, batches: _CountingIterator) -> tuple:
+        """One optimizer step over the next M batches: (output, label, mean loss).
+        Raises StopIteration (nothing computed) when fewer than M are left."""
+        engine = self.engine
+        batches.samples = batches.tokens = 0
         engine.zero_grad()
-        output = label = None
-        for batch in micro_batches:
-            samples, tokens = _count(batch)
-            self.step_samples += samples
-            self.step_tokens += tokens
-            output, label, loss = engine.execute_schedule(batch, return_output=True)
-            losses.append(loss)
+        result = engine.execute_schedule(batches, return_output=self._wants_train_output())
         engine.step()
-        return output, label, torch.stack(losses).float().mean()
+        self.step_samples, self.step_tokens = batches.samples, batches.tokens
+        return result
 
     def _train_epoch(self, train_dataloader, max_steps: Optional[int], display_progress: bool):
         self.engine.train()
         self.call_hooks('before_epoch')
         bar = _progress(self.steps_per_epoch, f'epoch {self.cur_epoch}', display_progress)
-        batches = iter(train_dataloader)
-        while max_steps is None or self.cur_step < max_steps:
-            micro_batches = self._next_micro_batches(batches)
-            if micro_batches is None:  # a partial accumulation at the end is dropped
-                break
+        batches, done = _CountingIterator(iter(train_dataloader)), 0
+        while ((max_steps is None or self.cur_step < max_steps)
+               and (self.steps_per_epoch is None or done < self.steps_per_epoch)):
             self.call_hooks('before_train_iter')
-            result = self._train_step(micro_batches)
-            self.cur_step += 1
+            try:
+                result = self._train_step(batches)
+            except StopIteration:  # fewer than M batches left: the partial step is dropped
+                break
+            self.cur_step, done = self.cur_step + 1, done + 1
             self.call_hooks('after_train_iter', *result)
             if bar is not None:
                 bar.update(1)
@@ -129,7 +146,7 @@ class Trainer:
                              f'max_steps={max_steps}')
         self._set_hooks(hooks)
         try:
-            self.steps_per_epoch = len(train_dataloader) // self.engine.gradient_accumulation
+            self.steps_per_epoch = len(train_dataloader) // self.engine.num_microbatches
         except TypeError:
             self.steps_per_epoch = None
         self.cur_step, self.training = 0, True
@@ -153,8 +170,8 @@ class Trainer:
         with torch.no_grad():
             for batch in test_dataloader:
                 self.call_hooks('before_test_iter')
-                output, label, loss = self.engine.execute_schedule(batch, forward_only=True,
-                                                                   return_output=True)
+                output, label, loss = self.engine.execute_schedule(
+                    batch, forward_only=True, return_output=True, num_microbatches=1)
                 self.call_hooks('after_test_iter', output, label, loss)
                 if bar is not None:
                     bar.update(1)
