@@ -25,7 +25,6 @@ class ConfigError(ValueError):
     """A configuration value breaks a constraint; the message names key, constraint and value."""
 
 
-TENSOR_MODES = (None, '1d', '2d', '2.5d', '3d', 'sequence')
 FP16_MODES = ('torch', 'naive', 'apex')
 
 # top-level keys and, for dict-valued sections, their allowed sub-keys (None = free-form)
@@ -99,11 +98,13 @@ def _positive_finite(value) -> bool:
 
 
 def _integer_root(n: int, power: int) -> Optional[int]:
-    root = round(n ** (1.0 / power))
-    for cand in (root - 1, root, root + 1):
-        if cand >= 1 and cand ** power == n:
-            return cand
-    return None
+    from .families import integer_root
+    return integer_root(n, power)
+
+
+def _tensor_modes() -> tuple:
+    from .families import TENSOR_MODES  # imported late: families imports the context package
+    return TENSOR_MODES
 
 
 @dataclass(frozen=True)
@@ -174,8 +175,8 @@ def parse_parallel(parallel: Optional[Mapping]) -> ParallelLayout:
     mode = tensor.get('mode', None)
     if isinstance(mode, str):
         mode = mode.lower()
-    if mode not in TENSOR_MODES:
-        raise ConfigError(f"'parallel.tensor.mode' must be one of {list(TENSOR_MODES)}, "
+    if mode not in _tensor_modes():
+        raise ConfigError(f"'parallel.tensor.mode' must be one of {list(_tensor_modes())}, "
                           f"got {tensor.get('mode')!r}")
     if mode is None and size > 1:
         raise ConfigError(f"'parallel.tensor.size' = {size} needs a 'parallel.tensor.mode' "
