@@ -1,7 +1,7 @@
 """The ``colossal-lite`` command: ``colossal-lite train CONFIG [--nproc N] [--steps S]``.
 
-``train`` checks the config (and that N processes fit its parallel layout) in
-the calling process, then starts N local workers through torch's elastic
+``train`` checks the config, that N processes fit its parallel layout and that the
+model splits over it (a build on the meta device) in the calling process, then starts N local workers through torch's elastic
 launcher -- the code path of ``torchrun --standalone --nproc-per-node N`` -- with
 gloo on CPU and ``OMP_NUM_THREADS=1`` per worker. Each worker calls
 ``launch_from_torch(config)`` and trains the job of the config's ``model``,
@@ -25,7 +25,7 @@ import sys
 import uuid
 from typing import List, Optional
 
-from .config import ConfigError, load_config, parse_parallel
+from .config import ConfigError, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,44 +40,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def check_job(config_path: str, nproc: int, steps: Optional[int]):
-    """Every check that can fail before a process starts: config keys, layout vs nproc, job."""
-    from .job import parse_job
+    """Every check that can fail before a process starts: the config's typed sections
+    (``load_config``), the layout vs ``nproc``, the job, and the job vs the layout
+    (``job.check_layout``: divisibility of every split size and a build of the model on the
+    meta device for the layout). Returns ``(cfg, layout, spec)``."""
+    from .job import check_layout
     if nproc < 1:
         raise ConfigError(f'--nproc must be a positive integer, got {nproc}')
-    if steps is not None and steps < 1:
-        raise ConfigError(f'--steps must be a positive integer, got {steps}')
-    from .initialize import _handler_options
-    cfg = load_config(config_path)
-    layout = parse_parallel(cfg.get('parallel')).with_world_size(nproc)
-    spec = parse_job(cfg)
-    _handler_options(cfg)
-    if cfg.get('zero') is not None or layout.pipeline > 1:
-        raise ConfigError("'zero' and 'parallel.pipeline' > 1 are not implemented yet "
-                          "(later issues); remove them to train")
-    batch = spec.train['global_batch_size']
-    if batch % layout.data:
-        raise ConfigError(f"'train.global_batch_size' = {batch} must be divisible by the "
-                          f"data-parallel size {layout.data} (= {nproc} processes / "
-                          f"(pipeline*tensor = {layout.pipeline * layout.tensor}))")
-    _check_layout_fits_job(layout, spec, batch // layout.data)
-    return cfg, layout, spec
-
-
-# how many ways each tensor mode splits a replica's batch
-_BATCH_SPLIT = {'2d': lambda l: l.tensor_grid, '2.5d': lambda l: l.depth * l.tensor_grid,
-                '3d': lambda l: l.tensor_grid ** 2}
-
-
-def _check_layout_fits_job(layout, spec, replica_batch: int):
-    split = _BATCH_SPLIT.get(layout.mode, lambda l: 1)(layout)
-    if replica_batch % split:
-        raise ConfigError(f"tensor mode {layout.mode!r} splits each replica's batch of "
-                          f"{replica_batch} (global batch / data size) {split} ways: make "
-                          f"'train.global_batch_size' a multiple of {split * layout.data}")
-    seq_len = spec.data.get('seq_len')
-    if layout.mode == 'sequence' and seq_len is not None and seq_len % layout.tensor:
-        raise ConfigError(f"sequence parallelism over {layout.tensor} ranks needs "
-                          f"'data.seq_len' divisible by {layout.tensor}, got {seq_len}")
+    settings = load_config(config_path).settings
+    layout = settings.layout.with_world_size(nproc)
+    spec = settings.job.with_steps(steps)
+    check_layout(spec, layout, settings.pipeline.stages, settings.pipeline.num_microbatches)
+    from .zero.low_level import check_zero
+    check_zero(settings.source)  # NotImplementedError for what ZeRO does not run yet
+    return settings.source, layout, spec
 
 
 def _error_files(err) -> List[tuple]:
@@ -136,6 +112,9 @@ def train_command(args, entrypoint=None) -> int:
         _, layout, spec = check_job(args.config, args.nproc, args.steps)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f'colossal-lite: bad config {args.config}: {exc}', file=sys.stderr)
+        return 2
+    except NotImplementedError as exc:
+        print(f'colossal-lite: not supported yet by {args.config}: {exc}', file=sys.stderr)
         return 2
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -1,14 +1,23 @@
-"""Configuration: a user's dict or ``.py`` file, checked before any process group exists.
+"""Configuration: a user's dict or ``.py`` file, parsed once into typed sections.
 
 The user writes a plain dict (or a ``.py`` file whose top-level names form the
 dict). :func:`load_config` turns either into a :class:`Config` (a dict with
-attribute access) after :func:`validate_config` has checked every key it
-knows. Upper-case top-level names (``BATCH_SIZE``, ``NUM_EPOCHS``) are the
-user's own constants and pass through untouched; an unknown lower-case key is
-an error that suggests the closest known key.
+attribute access) after :func:`parse_settings` has checked every key it knows
+and built the typed, frozen sections of ``settings.Settings`` (``cfg.settings``;
+the one parser is ``colossal_lite/settings.py``):
 
-:class:`ParallelLayout` is the typed, validated description of the parallel
-layout from which every process group is derived.
+* ``layout``   -- :class:`ParallelLayout` (``parallel``, defined here);
+* ``amp``      -- ``AmpSettings`` (``fp16``);
+* ``engine``   -- ``EngineSettings`` (``num_microbatches`` / ``gradient_accumulation``,
+  ``clip_grad_norm``, ``gradient_handler``);
+* ``run``      -- ``RunSettings`` (``seed``, ``timeout``, ``backend``);
+* ``pipeline`` -- ``pipeline.config.PipelineSettings``; ``zero`` -- ``zero.config.ZeroSettings``;
+* ``job``      -- ``job.JobSpec`` (``model``, ``data``, ``train``, ...), parsed on first read.
+
+Upper-case top-level names (``BATCH_SIZE``, ``NUM_EPOCHS``) are the user's own
+constants and pass through untouched; an unknown lower-case key is an error that
+suggests the closest known key. Every error is a :class:`ConfigError` naming the
+key, the constraint and the value.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ import math
 import numbers
 import os
 import runpy
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -36,7 +46,8 @@ _TOP_LEVEL_KEYS = {
     'gradient_accumulation': None,
     'clip_grad_norm': None,
     'num_microbatches': None,
-    'gradient_handler': None,
+    'gradient_handler': {'bucket_mb', 'overlap'},
+    'imports': None,
     'seed': None,
     'timeout': None,
     'backend': None,
@@ -52,12 +63,16 @@ _TENSOR_KEYS = {'size', 'mode', 'depth'}
 
 
 class Config(dict):
-    """A dict whose keys can also be read as attributes (``cfg.parallel.tensor.mode``)."""
+    """A dict whose keys can also be read as attributes (``cfg.parallel.tensor.mode``).
+
+    ``cfg.settings`` is the typed :class:`Settings` of the whole config, parsed on first
+    read and kept until a key of the config (or of one of its sections) is set or deleted.
+    """
 
     def __init__(self, data: Optional[Mapping] = None):
         super().__init__()
         for key, value in (data or {}).items():
-            self[key] = _wrap(value)
+            self[key] = value
 
     def __getattr__(self, name):
         try:
@@ -66,7 +81,49 @@ class Config(dict):
             raise AttributeError(f"config has no key '{name}'") from None
 
     def __setattr__(self, name, value):
-        self[name] = _wrap(value)
+        self[name] = value
+
+    def __setitem__(self, key, value):
+        value = _wrap(value)
+        if isinstance(value, Config):
+            value.__dict__['_parent'] = self
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._changed()
+
+    def update(self, *args, **kwargs):
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def pop(self, *args):
+        value = super().pop(*args)
+        self._changed()
+        return value
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def clear(self):
+        super().clear()
+        self._changed()
+
+    def _changed(self):
+        node = self
+        while node is not None:
+            node.__dict__.pop('_settings', None)
+            node = node.__dict__.get('_parent')
+
+    @property
+    def settings(self) -> 'Settings':
+        """The typed sections of this (top-level) config: :func:`parse_settings`."""
+        if 'settings' in self:  # a section's own key called 'settings'
+            return self['settings']
+        return parse_settings(self)
 
 
 def _wrap(value):
@@ -159,7 +216,11 @@ def parse_parallel(parallel: Optional[Mapping]) -> ParallelLayout:
     if not isinstance(parallel, Mapping):
         raise ConfigError(f"'parallel' must be a dict, got {parallel!r}")
     _check_keys(parallel, _TOP_LEVEL_KEYS['parallel'], 'parallel.')
-    pipeline = _positive_int(parallel.get('pipeline', 1), 'parallel.pipeline')
+    pipeline = parallel.get('pipeline', 1)
+    if isinstance(pipeline, Mapping):  # dict(size=P, chunks=..., ...): the rest is parse_pipeline's
+        pipeline = _positive_int(pipeline.get('size', 1), 'parallel.pipeline.size')
+    else:
+        pipeline = _positive_int(pipeline, 'parallel.pipeline')
     data = parallel.get('data')
     if data is not None:
         data = _positive_int(data, 'parallel.data')
@@ -200,66 +261,20 @@ def parse_parallel(parallel: Optional[Mapping]) -> ParallelLayout:
 
 
 def validate_config(config: Mapping) -> Config:
-    """Check every known key; returns the config as a :class:`Config`."""
+    """Check every known key (:func:`~colossal_lite.settings.parse_settings`); returns the
+    config as a :class:`Config` holding its typed sections."""
+    from .settings import parse_settings
     if not isinstance(config, Mapping):
         raise ConfigError(f"a config must be a dict or a path to a .py file, got {type(config).__name__}")
-    for key in config:
-        if not isinstance(key, str):
-            raise ConfigError(f"config keys must be strings, got {key!r}")
-        if key.isupper() or key.startswith('_'):
-            continue  # the user's own constants
-        if key not in _TOP_LEVEL_KEYS:
-            raise ConfigError(f"unknown config key '{key}'{_suggest(key, _TOP_LEVEL_KEYS)}")
-    if 'sequence' in (config.get('parallel') or {}):
-        raise ConfigError("sequence parallelism is a tensor mode: write "
-                          "parallel=dict(tensor=dict(mode='sequence', size=P)); it cannot be "
-                          "combined with another tensor-parallel mode")
-    parse_parallel(config.get('parallel'))
+    cfg = config if isinstance(config, Config) else Config(config)
+    parse_settings(cfg)
+    return cfg
 
-    fp16 = config.get('fp16')
-    if fp16 is not None:
-        if not isinstance(fp16, Mapping):
-            raise ConfigError(f"'fp16' must be a dict like dict(mode='torch'), got {fp16!r}")
-        _check_keys(fp16, _TOP_LEVEL_KEYS['fp16'], 'fp16.')
-        if fp16.get('mode') not in FP16_MODES:
-            raise ConfigError(f"'fp16.mode' must be one of {list(FP16_MODES)}, got {fp16.get('mode')!r}")
-        if fp16.get('dtype', 'float16') not in ('float16', 'bfloat16'):
-            raise ConfigError(f"'fp16.dtype' must be 'float16' or 'bfloat16', got {fp16.get('dtype')!r}")
-        for key in ('initial_scale', 'growth_factor', 'min_scale', 'max_scale'):
-            if key in fp16 and not _positive_finite(fp16[key]):
-                raise ConfigError(f"'fp16.{key}' must be a positive finite number, got {fp16[key]!r}")
-        if 'growth_factor' in fp16 and not fp16['growth_factor'] > 1:
-            raise ConfigError(f"'fp16.growth_factor' must be > 1, got {fp16['growth_factor']!r}")
-        low, high = fp16.get('min_scale'), fp16.get('max_scale')
-        start = fp16.get('initial_scale')
-        if low is not None and high is not None and low > high:
-            raise ConfigError(f"'fp16.min_scale' = {low} must not exceed 'fp16.max_scale' = {high}")
-        if start is not None and ((low is not None and start < low)
-                                  or (high is not None and start > high)):
-            raise ConfigError(f"'fp16.initial_scale' = {start} must lie in "
-                              f"[min_scale, max_scale] = [{low}, {high}]")
-        if 'backoff_factor' in fp16 and not (isinstance(fp16['backoff_factor'], numbers.Real)
-                                             and 0 < fp16['backoff_factor'] < 1):
-            raise ConfigError(f"'fp16.backoff_factor' must be in (0, 1), got {fp16['backoff_factor']!r}")
-        for key in ('growth_interval', 'hysteresis'):
-            if key in fp16:
-                _positive_int(fp16[key], f'fp16.{key}')
 
-    for key in ('gradient_accumulation', 'num_microbatches'):
-        if key in config:
-            _positive_int(config[key], key)
-    if 'clip_grad_norm' in config and not _positive_finite(config['clip_grad_norm']):
-        raise ConfigError(f"'clip_grad_norm' must be a positive finite number, "
-                          f"got {config['clip_grad_norm']!r}")
-    if 'seed' in config and (isinstance(config['seed'], bool)
-                             or not isinstance(config['seed'], numbers.Integral)):
-        raise ConfigError(f"'seed' must be an integer, got {config['seed']!r}")
-    if 'timeout' in config and not _positive_finite(config['timeout']):
-        raise ConfigError(f"'timeout' must be a positive finite number of seconds, "
-                          f"got {config['timeout']!r}")
-    if 'backend' in config and config['backend'] not in ('gloo', 'nccl', None):
-        raise ConfigError(f"'backend' must be 'gloo' or 'nccl', got {config['backend']!r}")
-    return Config(config)
+def parse_settings(config: Mapping):
+    """The typed sections of ``config`` (see ``colossal_lite/settings.py``)."""
+    from .settings import parse_settings as parse
+    return parse(config)
 
 
 def _read_config_file(path: str, chain: tuple = ()) -> dict:
@@ -287,11 +302,19 @@ def _read_config_file(path: str, chain: tuple = ()) -> dict:
 
 
 def load_config(config: Any) -> Config:
-    """A dict, a :class:`Config` or a path to a ``.py`` file -> a validated :class:`Config`.
+    """A dict, a :class:`Config` or a path to a ``.py`` file -> a validated :class:`Config`
+    whose typed sections are ``cfg.settings`` (parsed here, once).
 
     A file may name another with ``_base_ = 'file.py'`` (relative to itself): the base's
-    top-level names come first and the file's own names replace them key by key.
+    top-level names come first and the file's own names replace them key by key. The
+    modules a file names in ``imports`` are also looked up in the file's directory.
     """
+    if isinstance(config, Config) and config.__dict__.get('_settings') is not None:
+        return config  # already parsed, unchanged since
     if isinstance(config, (str, os.PathLike)):
-        config = _read_config_file(os.fspath(config))
+        path = os.fspath(config)
+        config = _read_config_file(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        if config.get('imports') and folder not in sys.path:
+            sys.path.append(folder)
     return validate_config(config)

@@ -1,10 +1,13 @@
-"""A training job described by a config's ``model``, ``data``, ``train``, ``optimizer`` and
-``lr_scheduler`` sections: validated into a :class:`JobSpec`, then built into the model,
-loss, data loaders, optimizer and scheduler that ``colossal_lite.initialize`` takes.
+"""A training job described by a config's ``model``, ``data``, ``train``, ``optimizer``,
+``lr_scheduler``, ``checkpoint``, ``log`` and ``imports`` keys: validated once into a frozen
+:class:`JobSpec` (``cfg.settings.job``), checked against a layout (:func:`check_layout`,
+with a build on the meta device), then built into the model, loss, data loaders,
+optimizer and scheduler that ``colossal_lite.initialize`` takes.
 
 Sections (every key optional except ``model.type`` and ``data.type``)::
 
-    model = dict(type='gpt' | 'vit', preset='tiny', **preset_overrides)
+    imports = ['my_models']                      # modules that register models (optional)
+    model = dict(type=NAME, preset='tiny', **options)   # NAME registered in colossal_lite.models
     data = dict(type='shakespeare', seq_len=64, val_fraction=0.05, plays=None)
          | dict(type='digits', test_fraction=0.2)
     train = dict(global_batch_size=16, steps=None, epochs=1, log_every=10,
@@ -14,23 +17,28 @@ Sections (every key optional except ``model.type`` and ``data.type``)::
     checkpoint = dict(path='runs/model_{step}.pt', interval=100)  # full state dict, rank 0
     log = dict(tensorboard='runs/tb')                             # needs the tensorboard package
 
+A model trains on the data set it was registered with. ``shakespeare`` (byte tokens)
+needs ``vocab_size >= 256`` and ``seq_len <= max_positions`` when the model has these
+options; ``digits`` needs ``img_size=8, in_chans=1, num_classes=10`` when it has them.
 Every bad value raises :class:`~colossal_lite.config.ConfigError` naming the key and the value.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
 from .config import ConfigError, _check_keys
+from .models import ModelEntry, SizeRule, get_model, import_modules
 
-MODEL_TYPES = ('gpt', 'vit')
-DATA_FOR_MODEL = {'gpt': 'shakespeare', 'vit': 'digits'}
+DATA_TYPES = ('shakespeare', 'digits')
 _DATA_KEYS = {'shakespeare': {'type', 'seq_len', 'val_fraction', 'plays'},
               'digits': {'type', 'test_fraction'}}
+_DIGITS_SHAPE = dict(img_size=8, in_chans=1, num_classes=10)
 _TRAIN_KEYS = {'global_batch_size', 'steps', 'epochs', 'log_every', 'eval_batches', 'shuffle_seed'}
 _OPTIMIZERS = {'adamw': {'lr', 'weight_decay', 'betas', 'eps'},
                'adam': {'lr', 'weight_decay', 'betas', 'eps'},
@@ -38,21 +46,41 @@ _OPTIMIZERS = {'adamw': {'lr', 'weight_decay', 'betas', 'eps'},
 _SCHEDULERS = {'cosine': {'type', 'warmup_steps', 'min_lr_ratio'}, 'constant': {'type', 'warmup_steps'}}
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobSpec:
-    """The validated job sections (plain dicts with defaults filled in)."""
+    """The validated job sections (plain dicts with defaults filled in); ``options`` are the
+    model's resolved options (preset + overrides)."""
 
     model: Dict[str, Any]
+    options: Dict[str, Any]
     data: Dict[str, Any]
     train: Dict[str, Any]
     optimizer: Dict[str, Any]
     lr_scheduler: Dict[str, Any] = field(default_factory=lambda: {'type': 'constant'})
     checkpoint: Dict[str, Any] = field(default_factory=dict)
     log: Dict[str, Any] = field(default_factory=dict)
+    imports: Tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:
+        """The registered model name (``model.type``)."""
         return self.model['type']
+
+    @property
+    def entry(self) -> ModelEntry:
+        return get_model(self.kind)
+
+    @property
+    def data_type(self) -> str:
+        return self.data['type']
+
+    def with_steps(self, steps: Optional[int]) -> 'JobSpec':
+        """This job with ``train.steps`` replaced (``--steps``); unchanged for None."""
+        if steps is None:
+            return self
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise ConfigError(f'--steps must be a positive integer, got {steps}')
+        return dataclasses.replace(self, train=dict(self.train, steps=int(steps)))
 
 
 def _section(config: Mapping, key: str, required: bool) -> Dict[str, Any]:
@@ -78,28 +106,58 @@ def _number(section: Mapping, key: str, where: str, lo: float = 0.0, hi: float =
     return value
 
 
-def _parse_model(config: Mapping) -> Dict[str, Any]:
-    model = _section(config, 'model', required=True)
-    if model.get('type') not in MODEL_TYPES:
-        raise ConfigError(f"'model.type' must be one of {list(MODEL_TYPES)}, got {model.get('type')!r}")
-    model.setdefault('preset', 'tiny')
+def _parse_imports(config: Mapping) -> Tuple[str, ...]:
+    names = config.get('imports') or ()
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"'imports' must be a list of module names, got {names!r}")
     try:
-        model['_resolved'] = build_model(model, dry_run=True)
-    except ValueError as exc:
-        raise ConfigError(f"'model': {exc}") from None
-    return model
+        import_modules(names)
+    except ValueError as err:
+        raise ConfigError(f"'imports': {err}") from None
+    return tuple(names)
 
 
-def _parse_data(config: Mapping, model: Mapping) -> Dict[str, Any]:
+def _resolve_model(model: Mapping) -> Tuple[ModelEntry, Optional[str], Dict[str, Any]]:
+    """(registry entry, preset, options) of a ``model`` section; ValueError when impossible."""
+    entry = get_model(model['type'])
+    preset = model.get('preset', 'tiny' if 'tiny' in entry.presets else None)
+    overrides = {k: v for k, v in model.items() if k not in ('type', 'preset')}
+    return entry, preset, entry.options(preset, overrides)
+
+
+def _parse_model(config: Mapping) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(the ``model`` section with its preset filled in, the model's resolved options)."""
+    model = _section(config, 'model', required=True)
+    kind = model.get('type')
+    if not isinstance(kind, str):
+        raise ConfigError(f"'model.type' must be the name of a registered model, got {kind!r}")
+    try:
+        get_model(kind)
+    except ValueError as err:
+        raise ConfigError(f"'model.type' = {kind!r}: {err}") from None
+    try:
+        _, model['preset'], options = _resolve_model(model)
+    except ValueError as err:
+        raise ConfigError(f"'model': {err}") from None
+    return model, options
+
+
+def _parse_data(config: Mapping, kind: str, options: Mapping) -> Dict[str, Any]:
     data = _section(config, 'data', required=True)
-    model_type = model['type']
-    want = DATA_FOR_MODEL[model_type]
+    want = get_model(kind).data
+    if want not in DATA_TYPES:
+        raise ConfigError(f"model type '{kind}' names no bundled data set to train on "
+                          f"(registered with data={want!r}; one of {list(DATA_TYPES)} is needed)")
     if data.get('type') != want:
-        raise ConfigError(f"model type '{model_type}' trains on data type '{want}', "
+        raise ConfigError(f"model type '{kind}' trains on data type '{want}', "
                           f"got 'data.type' = {data.get('type')!r}")
     _check_keys(data, _DATA_KEYS[want], 'data.')
     if want == 'shakespeare':
-        limit = model['_resolved']['max_positions']
+        vocab = options.get('vocab_size', 256)
+        if vocab < 256:
+            raise ConfigError(f"'model.vocab_size' = {vocab} must be at least 256, the byte "
+                              f"tokenizer's vocabulary of data type 'shakespeare'")
+        limit = options.get('max_positions', 1 << 20)
         data['seq_len'] = _number(data, 'seq_len', 'data', 2, limit, True, min(64, limit))
         data['val_fraction'] = _number(data, 'val_fraction', 'data', 1e-6, 0.5, default=0.05)
         if data.get('plays') is not None:
@@ -109,6 +167,10 @@ def _parse_data(config: Mapping, model: Mapping) -> Dict[str, Any]:
             except ValueError as err:
                 raise ConfigError(f"'data.plays': {err}") from None
     else:
+        for key, need in _DIGITS_SHAPE.items():
+            if options.get(key, need) != need:
+                raise ConfigError(f"'model.{key}' = {options[key]!r} must be {need} for data type "
+                                  f"'digits' (8x8 one-channel images of 10 classes)")
         data['test_fraction'] = _number(data, 'test_fraction', 'data', 1e-6, 0.9, default=0.2)
     return data
 
@@ -181,43 +243,38 @@ def _parse_scheduler(config: Mapping) -> Dict[str, Any]:
 
 
 def parse_job(config: Mapping) -> JobSpec:
-    """Validate the job sections of a (loaded) config; see the module doc for the keys."""
-    model = _parse_model(config)
-    return JobSpec(model=model, data=_parse_data(config, model), train=_parse_train(config),
-                   optimizer=_parse_optimizer(config), lr_scheduler=_parse_scheduler(config),
-                   checkpoint=_parse_checkpoint(config), log=_parse_log(config))
+    """Validate the job sections of a config (see the module doc); ``cfg.settings.job``
+    calls this once per config."""
+    imports = _parse_imports(config)
+    model, options = _parse_model(config)
+    return JobSpec(model=model, options=options, data=_parse_data(config, model['type'], options),
+                   train=_parse_train(config), optimizer=_parse_optimizer(config),
+                   lr_scheduler=_parse_scheduler(config), checkpoint=_parse_checkpoint(config),
+                   log=_parse_log(config), imports=imports)
 
 
 # ---------------------------------------------------------------------------- building
-def build_model(model: Mapping, dry_run: bool = False):
-    """The model_zoo model of ``model.type`` from ``model.preset`` with the other keys as overrides.
-
-    ``dry_run`` only checks the options and returns them (no weights are created).
-    """
-    from model_zoo import GPT, GPT_PRESETS, VIT_PRESETS, ViT
-    from model_zoo.blocks import preset_config
-    overrides = {k: v for k, v in model.items() if k not in ('type', 'preset', '_resolved')}
-    cls, presets = (GPT, GPT_PRESETS) if model['type'] == 'gpt' else (ViT, VIT_PRESETS)
-    cfg = preset_config(presets, model['preset'], overrides, model['type'].upper())
-    if model['type'] == 'gpt' and cfg['vocab_size'] < 256:
-        raise ValueError(f"GPT vocab_size must be at least the byte tokenizer's 256, "
-                         f"got {cfg['vocab_size']}")
-    if model['type'] == 'vit' and (cfg['img_size'], cfg['in_chans'], cfg['num_classes']) != (8, 1, 10):
-        raise ValueError(f"the digits images need img_size=8, in_chans=1, num_classes=10, got "
-                         f"{(cfg['img_size'], cfg['in_chans'], cfg['num_classes'])}")
-    return cfg if dry_run else cls(**cfg)
+def build_model(model):
+    """The registered model of a :class:`JobSpec` (or of a ``model`` section), built for the
+    current context: ``builder(**options)``."""
+    if isinstance(model, JobSpec):
+        return model.entry.builder(**model.options)
+    entry, _, options = _resolve_model(model)
+    return entry.builder(**options)
 
 
 def build_criterion(spec: JobSpec):
-    from model_zoo import GPTLMLoss
-    import colossal_lite.nn as col_nn
-    return GPTLMLoss() if spec.kind == 'gpt' else col_nn.CrossEntropyLoss()
+    """The loss the model was registered with (default: ``colossal_lite.nn.CrossEntropyLoss``)."""
+    from .nn import CrossEntropyLoss
+    return (spec.entry.loss or CrossEntropyLoss)()
 
 
-def build_data(spec: JobSpec, device: Optional[torch.device] = None):
-    """(train loader, test loader, items per sample) with each DATA rank's slice of each batch."""
+def build_data(spec: JobSpec, device: Optional[torch.device] = None, microbatches: int = 1):
+    """(train loader, test loader, items per sample) with each DATA rank's slice of each batch.
+    The train loader yields micro-batches: ``global_batch_size / microbatches`` samples, so
+    one optimizer step (M of them) sees ``global_batch_size`` samples."""
     from .data import DataParallelLoader, digits_datasets, text_datasets
-    if spec.kind == 'gpt':
+    if spec.data_type == 'shakespeare':
         seq_len = spec.data['seq_len']
         train, test = text_datasets(seq_len, spec.data['val_fraction'], spec.data.get('plays'))
         per_sample = seq_len
@@ -225,7 +282,8 @@ def build_data(spec: JobSpec, device: Optional[torch.device] = None):
         train, test = digits_datasets(spec.data['test_fraction'])
         per_sample = 1
     batch, seed = spec.train['global_batch_size'], spec.train['shuffle_seed']
-    return (DataParallelLoader(train, batch, shuffle=True, seed=seed, device=device),
+    return (DataParallelLoader(train, batch // microbatches, shuffle=True, seed=seed,
+                               device=device),
             DataParallelLoader(test, batch, shuffle=False, device=device), per_sample)
 
 
@@ -252,3 +310,83 @@ def build_scheduler(spec: JobSpec, optimizer, total_steps: int):
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---------------------------------------------------------------------------- job vs layout
+_SPLIT_NOUNS = {'head': 'attention heads', 'hidden': 'hidden dimension', 'vocab': 'vocabulary',
+                'sequence': 'sequence', 'batch': "replica's batch"}
+
+
+def check_layout(spec: JobSpec, layout, stages: int = 1, microbatches: int = 1):
+    """Every check of ``spec`` against ``layout`` (with its data size) that can fail before a
+    process starts, each a ConfigError naming the config key:
+
+    * ``train.global_batch_size`` (samples per optimizer step) divisible by the data size
+      times ``microbatches`` (M), each replica's micro-batch by the tensor family's
+      ``batch_split``; ``data.seq_len`` by its ``sequence_split``;
+    * the model's :class:`~colossal_lite.models.SizeRule` s (heads, hidden, vocabulary,
+      image / patch, tokens) against the family's splits (``families.py``);
+    * at least one block per pipeline stage: ``model.<layers>`` >= ``stages`` (P * V);
+    * the model built on the meta device for the described layout (rank 0 and the last
+      rank), so any split error left is caught here too (named ``model``).
+    """
+    from .families import family
+    fam = family(layout.mode)
+    batch = spec.train['global_batch_size']
+    if batch % layout.data:
+        raise ConfigError(f"'train.global_batch_size' = {batch} must be divisible by the "
+                          f"data-parallel size {layout.data} (= {layout.world_size} processes / "
+                          f"(pipeline*tensor = {layout.pipeline * layout.tensor}))")
+    if (batch // layout.data) % microbatches:
+        raise ConfigError(f"'train.global_batch_size' = {batch} must be divisible by the "
+                          f"data-parallel size {layout.data} x num_microbatches {microbatches} "
+                          f"(each replica's batch is cut into {microbatches} micro-batches)")
+    split = fam.batch_split(layout)
+    micro = batch // layout.data // microbatches
+    if micro % split:
+        raise ConfigError(f"tensor mode {layout.mode!r} splits each replica's micro-batch of "
+                          f"{micro} (global batch / data size / num_microbatches) {split} ways: "
+                          f"make 'train.global_batch_size' a multiple of "
+                          f"{split * layout.data * microbatches}")
+    rules = list(spec.entry.size_rules(spec.options))
+    if spec.data_type == 'shakespeare':
+        rules.append(SizeRule('data.seq_len', spec.data['seq_len'], 'sequence'))
+    for rule in rules:
+        _check_rule(rule, layout, fam)
+    layers_key = spec.entry.layers
+    if stages > 1 and layers_key in spec.options and spec.options[layers_key] < stages:
+        raise ConfigError(f"'model.{layers_key}' = {spec.options[layers_key]} is fewer than the "
+                          f"{stages} pipeline stages (parallel.pipeline size x chunks): every "
+                          f"stage needs at least one block")
+    for rank in sorted({0, layout.world_size - 1}):
+        try:
+            describe_model(spec, layout, rank)
+        except ValueError as err:
+            raise ConfigError(f"'model' ({spec.kind}, preset {spec.model.get('preset')!r}) cannot "
+                              f"be built for {_layout_text(layout)} (rank {rank}): {err}") from None
+
+
+def _check_rule(rule: SizeRule, layout, fam):
+    named = f"'{rule.key}'" + (f' ({rule.what})' if rule.what else '')
+    if isinstance(rule.by, str):
+        n = getattr(fam, f'{rule.by}_split')(layout)
+        if rule.value % n:
+            raise ConfigError(f"tensor mode {layout.mode!r} splits the {_SPLIT_NOUNS[rule.by]} "
+                              f"{n} ways ({_layout_text(layout)}): it needs {named} divisible "
+                              f"by {n}, got {rule.value}")
+    elif rule.value % rule.by:
+        raise ConfigError(f"{named} = {rule.value} must be divisible by "
+                          f"'{rule.by_key or rule.by}' = {rule.by}")
+
+
+def _layout_text(layout) -> str:
+    return (f'data={layout.data} pipeline={layout.pipeline} tensor={layout.tensor} '
+            f'({layout.mode or "none"}' + (f', depth {layout.depth})' if layout.mode == '2.5d' else ')'))
+
+
+def describe_model(spec: JobSpec, layout, rank: int = 0) -> torch.nn.Module:
+    """The job's model built on the meta device for ``layout`` as ``rank`` holds it, with no
+    process group (``ParallelContext.describe``): local shapes and placements, no memory."""
+    from .context import ParallelContext, use_context
+    with use_context(ParallelContext.describe(layout, rank)), torch.device('meta'):
+        return build_model(spec)

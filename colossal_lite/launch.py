@@ -1,4 +1,5 @@
-"""Start a run: validate the config, create the default group, build every parallel group.
+"""Start a run: parse the config once (``cfg.settings``), create the default group, build
+every parallel group.
 
 Backend: ``nccl`` when CUDA is available, else ``gloo`` (override with
 ``backend=`` or the config's ``backend``). Device: ``cuda:<local_rank>`` when
@@ -12,10 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-from .config import ConfigError, load_config, parse_parallel
+from .config import ConfigError, load_config
 from .context import global_context as gpc
-
-DEFAULT_TIMEOUT_S = 1800.0
 
 
 def _default_backend() -> str:
@@ -32,15 +31,16 @@ def launch(config: Any, rank: int, world_size: int, host: str, port: int,
     at once instead of hanging.
     """
     cfg = load_config(config)
-    parse_parallel(cfg.get('parallel')).with_world_size(world_size)
+    run = cfg.settings.run
+    cfg.settings.layout.with_world_size(world_size)
     if not 0 <= rank < world_size:
         raise ConfigError(f'rank must be in [0, world_size={world_size}), got {rank}')
-    backend = backend or cfg.get('backend') or _default_backend()
+    backend = backend or run.backend or _default_backend()
     if backend == 'nccl' and not torch.cuda.is_available():
         raise ConfigError("backend 'nccl' needs CUDA, which is not available; use 'gloo'")
-    timeout = float(cfg.get('timeout', DEFAULT_TIMEOUT_S))
+    timeout = run.timeout
     init_method = init_method or f'tcp://{host}:{port}'
-    seed = int(cfg.get('seed', seed))
+    seed = run.seed if run.seed is not None else seed
 
     gpc.init_global_dist(rank, world_size, backend, init_method, timeout)
     gpc.set_device(local_rank)

@@ -59,8 +59,9 @@ def _gathered_report():
 def _report(trainer, spec, history: _LossHistory, elapsed: float):
     peaks, comm = _gathered_report()
     m = trainer.metrics
-    unit = 'tokens/s' if spec.kind == 'gpt' else 'samples/s'
-    rate = m.get('tokens_per_s' if spec.kind == 'gpt' else 'samples_per_s')
+    text = spec.data_type == 'shakespeare'
+    unit = 'tokens/s' if text else 'samples/s'
+    rate = m.get('tokens_per_s' if text else 'samples_per_s')
     if rate is None or rate != rate:
         _print0('throughput: not measured (the first 2 steps are warm-up; run more steps)')
     else:
@@ -77,21 +78,23 @@ def _report(trainer, spec, history: _LossHistory, elapsed: float):
             f'({"fell" if last < first else "did not fall"}) wall={elapsed:.1f}s')
 
 
-def train(cfg) -> dict:
-    """Train the launched config's job; returns the trainer's metrics (every rank)."""
+def train(cfg, spec=None) -> dict:
+    """Train the launched config's job (``spec``: default ``cfg.settings.job``); returns the
+    trainer's metrics plus ``losses`` (every step's loss, averaged over replicas) on every rank."""
     from . import initialize
-    from .job import (build_criterion, build_data, build_model, build_optimizer,
-                      build_scheduler, parse_job)
+    from .job import build_criterion, build_data, build_model, build_optimizer, build_scheduler
     from .trainer import Trainer
-    spec = parse_job(cfg)
-    model = build_model(spec.model)
-    train_dl, test_dl, _ = build_data(spec, gpc.device)
+    settings = cfg.settings
+    spec = spec or settings.job
+    text = spec.data_type == 'shakespeare'
+    model = build_model(spec)
+    accumulation = settings.engine.num_microbatches
+    train_dl, test_dl, _ = build_data(spec, gpc.device, accumulation)
     optimizer = build_optimizer(spec, model)
-    accumulation = int(cfg.get('gradient_accumulation', 1))
     steps_per_epoch = len(train_dl) // accumulation
     if steps_per_epoch == 0:  # same on every rank, before any collective
-        raise ConfigError(f"'gradient_accumulation' = {accumulation} exceeds the {len(train_dl)} "
-                          f"batches of global size {spec.train['global_batch_size']} per epoch")
+        raise ConfigError(f"'num_microbatches' (or 'gradient_accumulation') = {accumulation} "
+                          f"exceeds the {len(train_dl)} micro-batches of an epoch")
     total = spec.train['steps'] or spec.train['epochs'] * steps_per_epoch
     epochs = max(1, math.ceil(total / max(1, steps_per_epoch)))
     scheduler = build_scheduler(spec, optimizer, total)
@@ -100,7 +103,7 @@ def train(cfg) -> dict:
     history = _LossHistory()
     hooks = [H.LossHook(), history, H.ThroughputHook(warmup=2), H.LRSchedulerHook(scheduler),
              H.LogMetricByStepHook(spec.train['log_every'], printer=_print0)]
-    if spec.kind == 'vit':
+    if not text:
         hooks += [H.AccuracyHook(), H.LogMetricByEpochHook(printer=_print0)]
     if spec.checkpoint:
         hooks.append(H.SaveCheckpointHook(spec.checkpoint['path'], spec.checkpoint['interval'],
@@ -109,18 +112,18 @@ def train(cfg) -> dict:
         hooks.append(H.TensorBoardHook(spec.log['tensorboard']))
     params = H.full_parameter_count(engine.model)
     _print0(f'model: {spec.kind} {params / 1e6:.2f}M parameters; {total} steps of global batch '
-            f'{spec.train["global_batch_size"]} x {int(cfg.get("gradient_accumulation", 1))} '
-            f'micro-batches; {steps_per_epoch} steps per epoch')
+            f'{spec.train["global_batch_size"]} ({accumulation} micro-batches); '
+            f'{steps_per_epoch} steps per epoch')
     total_stats.reset()
     start = time.perf_counter()
     trainer = Trainer(engine)
     trainer.fit(train_dl, epochs=epochs, max_steps=total, hooks=hooks,
-                test_dataloader=test_dl if spec.kind == 'vit' else None)
+                test_dataloader=None if text else test_dl)
     elapsed = time.perf_counter() - start
-    if spec.kind == 'gpt':
+    if text:
         trainer.evaluate(_limited(test_dl, spec.train['eval_batches']), hooks=[H.LossHook()])
     _report(trainer, spec, history, elapsed)
-    return trainer.metrics
+    return dict(trainer.metrics, losses=list(history.losses))
 
 
 class _limited:
@@ -141,11 +144,10 @@ def worker_main(config_path: str, steps: Optional[int] = None):
     os.environ['OMP_NUM_THREADS'] = '1'
     torch.set_num_threads(1)
     cfg = load_config(config_path)
-    if steps is not None:
-        cfg['train'] = dict(cfg.get('train') or {}, steps=steps)
-    backend = cfg.get('backend') or ('nccl' if torch.cuda.is_available() else 'gloo')
+    spec = cfg.settings.job.with_steps(steps)
+    backend = cfg.settings.run.backend or ('nccl' if torch.cuda.is_available() else 'gloo')
     launch_from_torch(cfg, backend=backend)
     try:
-        return train(gpc.config)
+        return train(gpc.config, spec)
     finally:
         gpc.destroy()

@@ -2,6 +2,7 @@
 
 Byte-level GPT (1.41 M parameters) on the bundled Shakespeare plays, 300 steps.
 """
+imports = ['model_zoo']  # registers gpt/bert/vit (also found through the installed entry point)
 model = dict(type='gpt', preset='tiny', hidden=192, layers=3, heads=6, max_positions=128,
              dropout=0.0)
 data = dict(type='shakespeare', seq_len=128, val_fraction=0.05)

@@ -1,10 +1,43 @@
 """Parallel GPT, BERT and ViT built only from colossal_lite.nn facades.
 
 Each model is built for the layout of the launched context (serial when none).
+Importing this package registers ``gpt``, ``bert`` and ``vit`` in
+``colossal_lite.models`` (``setup.py`` names this package in the entry-point group
+``colossal_lite.models``, so ``model=dict(type='gpt', ...)`` finds it).
 """
+from colossal_lite.models import SizeRule, register_model
+import colossal_lite.nn as col_nn
+
 from .bert import BERT, BERT_PRESETS, BertPretrainingLoss
 from .gpt import GPT, GPT_PRESETS, GPTLMLoss
 from .vit import VIT_PRESETS, ViT
 
 __all__ = ['BERT', 'BERT_PRESETS', 'BertPretrainingLoss', 'GPT', 'GPT_PRESETS', 'GPTLMLoss',
            'VIT_PRESETS', 'ViT']
+
+
+def _transformer_rules(o):
+    """Sizes the tensor split must divide: heads, hidden (also by heads), vocabulary."""
+    rules = [SizeRule('model.heads', o['heads'], 'head', what='attention heads'),
+             SizeRule('model.hidden', o['hidden'], o['heads'], 'model.heads'),
+             SizeRule('model.hidden', o['hidden'], 'hidden', what='hidden size')]
+    if 'vocab_size' in o:
+        rules.append(SizeRule('model.vocab_size', o['vocab_size'], 'vocab', what='vocabulary'))
+    return rules
+
+
+def _vit_rules(o):
+    tokens = 1 + (o['img_size'] // o['patch_size']) ** 2
+    return _transformer_rules(o) + [
+        SizeRule('model.img_size', o['img_size'], o['patch_size'], 'model.patch_size'),
+        SizeRule('model.img_size', tokens, 'sequence',
+                 what=f"tokens = 1 class token + (img_size / patch_size)^2 = "
+                      f"1 + ({o['img_size']} / {o['patch_size']})^2")]
+
+
+register_model('gpt', GPT, GPT_PRESETS, loss=GPTLMLoss, data='shakespeare',
+               rules=_transformer_rules, label='GPT')
+register_model('bert', BERT, BERT_PRESETS, loss=BertPretrainingLoss, rules=_transformer_rules,
+               label='BERT')
+register_model('vit', ViT, VIT_PRESETS, loss=col_nn.CrossEntropyLoss, data='digits',
+               rules=_vit_rules, label='ViT')

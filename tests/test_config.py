@@ -95,3 +95,82 @@ def test_config_file_with_a_base(tmp_path):
     (tmp_path / 'loop.py').write_text("_base_ = 'loop.py'\n")
     with pytest.raises(ConfigError, match='include each other in a loop'):
         load_config(str(tmp_path / 'loop.py'))
+
+
+# ---------------------------------------------------------------------------- typed sections
+def test_load_config_parses_every_section_once_into_frozen_settings():
+    import dataclasses
+    cfg = load_config(dict(parallel=dict(pipeline=dict(size=2, chunks=2), tensor=dict(size=2, mode='1d')),
+                           gradient_accumulation=4, clip_grad_norm=0.5,
+                           gradient_handler=dict(bucket_mb=2, overlap=False),
+                           fp16=dict(mode='naive', initial_scale=2.0 ** 10), zero=dict(stage=2),
+                           seed=7, timeout=30))
+    s = cfg.settings
+    assert s.layout == ParallelLayout(pipeline=2, tensor=2, mode='1d')
+    assert (s.pipeline.size, s.pipeline.chunks, s.pipeline.schedule) == (2, 2, 'interleaved')
+    assert (s.engine.num_microbatches, s.engine.clip_grad_norm) == (4, 0.5)
+    assert s.engine.handler_options() == dict(bucket_bytes=2 * 1024 * 1024, overlap=False)
+    assert s.amp.as_dict() == dict(mode='naive', dtype='float16', initial_scale=1024.0)
+    assert s.zero.stage == 2
+    assert (s.run.seed, s.run.timeout, s.run.backend) == (7, 30.0, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.engine.num_microbatches = 2
+    assert load_config(cfg) is cfg and cfg.settings is s          # parsed once, kept
+    cfg.parallel.tensor.size = 4                                   # a change re-parses
+    assert cfg.settings is not s and cfg.settings.layout.tensor == 4
+
+
+@pytest.mark.parametrize('config, message', [
+    (dict(num_microbatches=2, gradient_accumulation=4),
+     "'num_microbatches' = 2 and its alias 'gradient_accumulation' = 4 differ"),
+    (dict(gradient_handler=dict(bucket_mb=0)), "'gradient_handler.bucket_mb' must be a positive number, got 0"),
+    (dict(gradient_handler=dict(buckt_mb=1)), "did you mean 'bucket_mb'"),
+    (dict(gradient_handler=dict(overlap='yes')), "'gradient_handler.overlap' must be True or False"),
+    (dict(gradient_handler=[1]), "'gradient_handler' must be a dict"),
+    (dict(parallel=dict(pipeline=dict(size=0))), "'parallel.pipeline.size' must be a positive integer"),
+    (dict(zero=dict(stage=4)), "'zero.stage' must be one of [1, 2, 3], got 4"),
+])
+def test_section_errors_name_key_and_value(config, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    assert message in str(info.value)
+
+
+def test_the_job_section_is_parsed_on_first_read():
+    cfg = load_config(dict(model=dict(type='gpt', hidden=8)))     # no data: fine for a library user
+    with pytest.raises(ConfigError, match="needs a 'data' section"):
+        cfg.settings.job
+    with pytest.raises(ConfigError, match=r"'model.type' = 'nope': 'nope' is not a registered model; "
+                                          r"registered: \[.*'gpt'.*\]"):
+        load_config(dict(model=dict(type='nope'), data=dict(type='digits'))).settings.job
+    with pytest.raises(ConfigError, match="'imports': could not import 'no_such_module_xyz'"):
+        load_config(dict(imports=['no_such_module_xyz'], model=dict(type='gpt'))).settings.job
+    with pytest.raises(ConfigError, match="'imports' must be a list of module names"):
+        load_config(dict(imports='model_zoo', model=dict(type='gpt'))).settings.job
+    spec = load_config(dict(model=dict(type='gpt', layers=1), data=dict(type='shakespeare'))).settings.job
+    assert (spec.kind, spec.options['layers'], spec.options['hidden'], spec.data['seq_len']) == \
+        ('gpt', 1, 32, 64)
+    with pytest.raises(ConfigError, match="'model.vocab_size' = 100 must be at least 256"):
+        load_config(dict(model=dict(type='gpt', vocab_size=100), data=dict(type='shakespeare'))).settings.job
+    with pytest.raises(ConfigError, match="'model.img_size' = 16 must be 8 for data type 'digits'"):
+        load_config(dict(model=dict(type='vit', img_size=16), data=dict(type='digits'))).settings.job
+
+
+def test_registered_models_resolve_presets_and_options():
+    from colossal_lite.models import get_model, register_model, unregister_model
+
+    def builder(width, depth=1):
+        return (width, depth)
+
+    register_model('toy', builder, presets=dict(small=dict(width=4)))
+    try:
+        entry = get_model('toy')
+        assert entry.options('small', dict(depth=3)) == dict(width=4, depth=3)
+        with pytest.raises(ValueError, match=r"unknown TOY options \['wdth'\]"):
+            entry.options('small', dict(wdth=3))
+        with pytest.raises(ValueError, match="unknown TOY preset 'big'"):
+            entry.options('big', {})
+        with pytest.raises(ValueError, match='already registered'):
+            register_model('toy', lambda width: width)
+    finally:
+        unregister_model('toy')
