@@ -2,8 +2,9 @@
 
 The serial reference is computed in the parent process (no launch: serial layers) by
 the same code the ranks run; the ranks build the parallel version from the serial
-full weights, compare locally and return the worst relative differences, which the
-tests assert. Layouts: 'act' = standard activation layout, 'full' = user tensor.
+full weights and return their traces (``colossal_lite.testing``), which the parent
+checks with ``assert_matches_serial``. Layouts: 'act' = standard activation layout,
+'full' = user tensor.
 """
 from __future__ import annotations
 
@@ -12,15 +13,15 @@ import torch
 import colossal_lite.nn as col_nn
 from colossal_lite.communication import collective as C
 from colossal_lite.communication import comm_profile
-from colossal_lite.context import ParallelMode, global_context as gpc
-from colossal_lite.engine import allreduce_gradients
+from colossal_lite.context import ParallelMode
 from colossal_lite.nn.parallel_2p5d import Grid2p5D
-from colossal_lite.tensor import gather_full
-from colossal_lite.testing import max_rel_diff
-from model_zoo import BERT, GPT, BertPretrainingLoss, GPTLMLoss, ViT
+from colossal_lite.testing import Trace, assert_matches_serial, full_gradients, run_distributed
+
+from tests.model_cases import FAMILIES, rank_traces, serial_traces
 
 B, S, H, V, CLS = 8, 4, 16, 32, 10
 TOL = 1e-5
+MODEL_BATCH = dict(batch=8, seq=8)
 
 
 def _gen(seed):
@@ -194,50 +195,47 @@ LAYER_CASES = {
 
 
 def run_layer_case(name, grid=None, state=None):
-    """Full results of one case: output, loss, input grads, every parameter gradient."""
+    """One forward + backward of a case as a one-step trace (full output, loss, input
+    gradients, every parameter gradient) and the module's initial full state."""
     build, inputs, run = LAYER_CASES[name]
     layout = Layout(grid)
     torch.manual_seed(100)
     module = build()
     if state is not None:
         module.load_state_dict(state)
+    initial = module.state_dict()
     spec = inputs()
     local = _inputs(layout, spec)
     out, how, loss = run(layout, module, *local)
     loss.backward()
-    res = {'out': layout.full(out, how).detach(),
+    res = {'output.0': layout.full(out, how).detach(),
            'loss': layout.total(loss.detach()) if how == 'act' else loss.detach()}
     for n, (t, (_, h, g)) in enumerate(zip(local, spec)):
         if g:
-            res[f'dx{n}'] = layout.full(t.grad, h)
-    for pname, p in module.named_parameters():
-        res[f'grad:{pname}'] = gather_full(p.grad, p)
-    return res, module.state_dict()
+            res[f'input_grad.{n}'] = layout.full(t.grad, h)
+    res.update({f'grad:{k}': g for k, g in full_gradients(module).items()})
+    return Trace([res]), initial
 
 
-def layer_references():
-    refs = {}
-    for name in LAYER_CASES:
-        res, state = run_layer_case(name)
-        refs[name] = (res, state)
-    return refs
-
-
-def compare(actual: dict, expected: dict) -> dict:
-    if set(actual) != set(expected):
-        return {'keys': float('inf')}
-    return {k: max_rel_diff(actual[k], expected[k]) for k in expected}
-
-
-def check_layers(rank, refs, comm_shape):
-    """On every rank: each layer case vs its serial reference; plus one Linear's bytes."""
+def check_layers(rank, states, comm_shape):
+    """On every rank: each layer case's trace from the serial weights; one Linear's bytes."""
     grid = Grid2p5D.current()
-    worst = {}
-    for name, (expected, state) in refs.items():
-        actual, _ = run_layer_case(name, grid, state)
-        diffs = compare(actual, expected)
-        worst[name] = max(diffs.values())
-    return {'diffs': worst, 'bytes': linear_bytes(grid, *comm_shape), 'dropout': dropout_mask(grid)}
+    traces = {name: run_layer_case(name, grid, state)[0] for name, state in states.items()}
+    return {'traces': traces, 'bytes': linear_bytes(grid, *comm_shape),
+            'dropout': dropout_mask(grid)}
+
+
+def run_layer_checks(world, config, grid_shape):
+    """Every layer case on ``world`` ranks equals serial (on every rank), and the dropout
+    masks pass :func:`check_dropout`; returns each rank's (bytes, wire bytes) of one Linear."""
+    refs = {name: run_layer_case(name) for name in LAYER_CASES}   # serial: unlaunched
+    states = {name: state for name, (_, state) in refs.items()}
+    results = run_distributed(check_layers, world, config, states, (B, S, H), timeout=300)
+    for name, (expected, _) in refs.items():
+        assert_matches_serial([r['traces'][name] for r in results], expected, TOL)
+    for res in results:
+        check_dropout(*res['dropout'], grid_shape=grid_shape)
+    return [res['bytes'] for res in results]
 
 
 def dropout_mask(grid):
@@ -267,97 +265,10 @@ def linear_bytes(grid, b, s, h):
 
 
 # ----------------------------------------------------------------- models
-def _gpt():
-    model = GPT.from_preset('tiny')
-    ids = torch.randint(0, 256, (8, 8), generator=_gen(21))
-    return model, (ids,), (ids,), GPTLMLoss()
-
-
-def _bert():
-    model = BERT.from_preset('tiny')
-    ids = torch.randint(0, 256, (8, 8), generator=_gen(22))
-    mask = torch.ones(8, 8, dtype=torch.long)
-    mask[:, -1] = 0
-    mask[::3, -3:] = 0
-    mlm = torch.randint(0, 256, (8, 8), generator=_gen(23))
-    mlm[:, ::3] = -100
-    nsp = torch.randint(0, 2, (8,), generator=_gen(24))
-    return model, (ids, mask), (mlm, nsp), BertPretrainingLoss()
-
-
-def _vit():
-    model = ViT.from_preset('tiny')
-    images = torch.randn(8, 1, 8, 8, generator=_gen(25))
-    labels = torch.randint(0, 10, (8,), generator=_gen(26))
-    return model, (images,), (labels,), col_nn.CrossEntropyLoss()
-
-
-MODELS = {'gpt': _gpt, 'bert': _bert, 'vit': _vit}
-
-
-def _rows(t, part):
-    if part is None:
-        return t
-    index, parts = part
-    return t.chunk(parts, dim=0)[index]
-
-
-def _full_logits(out):
-    outs = out if isinstance(out, tuple) else (out,)
-    with torch.no_grad():
-        return [col_nn.gather_logits(o) for o in outs]
-
-
-def run_model(name, state=None, part=None, steps=3):
-    """Loss, logits and gradients of the first step, parameters after ``steps`` AdamW steps.
-
-    ``part=(index, parts)``: this data-parallel replica's rows of the batch."""
-    torch.manual_seed(200)
-    model, inputs, targets, criterion = MODELS[name]()
-    if state is not None:
-        model.load_state_dict(state)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    inputs = [_rows(t, part) for t in inputs]
-    targets = [_rows(t, part) for t in targets]
-    # eps=1e-6: the attention key bias has a mathematically zero gradient (softmax is
-    # shift-invariant), so its gradient is rounding noise (~1e-9) that eps=1e-8 would
-    # amplify into lr-sized, layout-dependent steps
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
-    first = {}
-    for step in range(steps):
-        opt.zero_grad()
-        out = model(*inputs)
-        loss = criterion(out, *targets)
-        loss.backward()
-        if part is not None:
-            allreduce_gradients(model.parameters())
-        if step == 0:
-            first['loss'] = loss.detach()
-            for n, logits in enumerate(_full_logits(out)):
-                first[f'logits{n}'] = logits
-            for pname, p in model.named_parameters():
-                first[f'grad:{pname}'] = gather_full(p.grad, p)
-        opt.step()
-    final = {f'param:{k}': v for k, v in model.state_dict().items()}
-    return first, final, initial
-
-
-def model_references():
-    return {name: run_model(name) for name in MODELS}
-
-
-def check_models(rank, refs, data_parallel=False):
-    """Every model vs serial: loss, logits, every gradient, parameters after 3 AdamW steps."""
-    part = None
-    if data_parallel:
-        part = (gpc.get_local_rank(ParallelMode.DATA), gpc.get_world_size(ParallelMode.DATA))
-    worst = {}
-    for name, (first, final, initial) in refs.items():
-        got_first, got_final, _ = run_model(name, initial, part)
-        if part is not None:  # this replica's rows; its loss is the mean over them
-            got_first['loss'] = C.all_reduce(got_first['loss'], ParallelMode.DATA) / part[1]
-            first = {k: (_rows(v, part) if k.startswith('logits') else v) for k, v in first.items()}
-        diffs = {**compare(got_first, first), **compare(got_final, final)}
-        key = max(diffs, key=diffs.get)
-        worst[name] = (diffs[key], key, len(diffs))
-    return worst
+def run_model_checks(world, config):
+    """GPT, BERT and ViT on ``world`` ranks equal serial: loss, logits, every gradient and
+    the parameters at each of 3 AdamW steps (DATA replicas take their rows of the batch)."""
+    states, expected = serial_traces(FAMILIES, MODEL_BATCH)
+    results = run_distributed(rank_traces, world, config, states, MODEL_BATCH, timeout=300)
+    for name in FAMILIES:
+        assert_matches_serial([r[name] for r in results], expected[name], TOL)

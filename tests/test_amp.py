@@ -8,12 +8,10 @@ import torch
 
 import colossal_lite as clt
 from colossal_lite.amp import DynamicGradScaler, NaiveAmp, apex_amp
-from colossal_lite.communication import collective as C
-from colossal_lite.context import ParallelMode, global_context as gpc
 from colossal_lite.tensor import gather_full
-from colossal_lite.testing import max_rel_diff, run_distributed
-from tests._engine_cases import (build, criterion, global_batch, make_optimizer, replica_batch,
-                                 serial_reference)
+from colossal_lite.testing import (make_optimizer, max_rel_diff, replica_batch, replica_mean,
+                                   run_distributed)
+from tests.model_cases import build, criterion, global_batch, reference_trace, serial_state
 
 
 def test_dynamic_scaler_growth_backoff_hysteresis():
@@ -55,9 +53,9 @@ def _same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _naive_worker(rank, ref, batch):
+def _naive_worker(rank, state, ref, batch):
     model = build('gpt')
-    model.load_state_dict(ref['init'])
+    model.load_state_dict(state)
     engine, *_ = clt.initialize(model, make_optimizer(model.parameters()), criterion('gpt'))
     amp, out = engine.amp, {}
     batch = replica_batch(batch)
@@ -66,12 +64,13 @@ def _naive_worker(rank, ref, batch):
     engine.zero_grad()
     _, _, loss = engine.execute_schedule(batch)
     engine.step()
-    loss = C.all_reduce(loss, ParallelMode.DATA) / gpc.get_world_size(ParallelMode.DATA)
-    out['loss'] = abs(loss.item() - ref['loss']) / ref['loss']
+    loss = replica_mean(loss)
+    out['loss'] = abs(loss.item() - ref[0]['loss'].item()) / ref[0]['loss'].item()
     named = dict(engine.model.named_parameters())
     masters = {id(p): m for p, m in amp.pairs}
-    out['grads'] = max(max_rel_diff(gather_full(masters[id(p)].grad, p), ref['grads'][n])
-                       / max(ref['grads'][n].abs().max().item(), 1e-3)
+    ref_grads = ref.named(0, 'grad')
+    out['grads'] = max(max_rel_diff(gather_full(masters[id(p)].grad, p), ref_grads[n])
+                       / max(ref_grads[n].abs().max().item(), 1e-3)
                        for n, p in named.items())
     out['scales'] = [engine.loss_scale]
     # step 2: inf in rank 1's shard only (its replica partner sees it through the data-parallel
@@ -104,10 +103,11 @@ def _naive_worker(rank, ref, batch):
 
 def test_naive_fp16_skips_overflow_on_every_rank():
     """dp=2 x tp=2: half-precision gradients are all-reduced in buckets, then unscaled."""
-    batch = global_batch('gpt', batch=4)
-    ref = serial_reference('gpt', [batch], steps=1)
+    batch, state = global_batch('gpt', batch=4), serial_state('gpt')
+    ref = reference_trace('gpt', state, batch, steps=1)
     config = dict(parallel=dict(tensor=dict(size=2, mode='1d')), fp16=FP16)
-    for rank, r in enumerate(run_distributed(_naive_worker, 4, config, ref, batch, timeout=300)):
+    for rank, r in enumerate(run_distributed(_naive_worker, 4, config, state, ref, batch,
+                                             timeout=300)):
         assert r['dtype'] == 'torch.float16', r
         assert r['loss'] < 1e-2 and r['grads'] < 2e-2, (rank, r)
         assert r['skipped'] and r['untouched'], (rank, r)
@@ -116,21 +116,21 @@ def test_naive_fp16_skips_overflow_on_every_rank():
 
 
 def test_torch_autocast_bf16_on_cpu():
-    batch = global_batch('vit', batch=4)
-    ref = serial_reference('vit', [batch], steps=1)
+    batch, state = global_batch('vit', batch=4), serial_state('vit')
+    ref = reference_trace('vit', state, batch, steps=1)[0]
     model = build('vit')
-    model.load_state_dict(ref['init'])
+    model.load_state_dict(state)
     engine, *_ = clt.initialize(model, make_optimizer(model.parameters()), criterion('vit'),
                                 config=dict(fp16=dict(mode='torch')))
     dtypes = []
-    engine.model.blocks[0].mlp.fc1.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    engine.model.blocks["0"].mlp.fc1.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
     engine.zero_grad()
     _, _, loss = engine.execute_schedule(batch)
     assert engine.step()
     assert dtypes == [torch.bfloat16]
-    assert abs(loss.item() - ref['loss']) / ref['loss'] < 2e-2
+    assert abs(loss.item() - ref['loss'].item()) / ref['loss'].item() < 2e-2
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())
-    assert max_rel_diff(engine.model.state_dict()['head.weight'], ref['params']['head.weight']) < 1e-2
+    assert max_rel_diff(engine.model.state_dict()['head.weight'], ref['param:head.weight']) < 1e-2
 
 
 def test_apex_mode_needs_apex(monkeypatch):
@@ -141,11 +141,11 @@ def test_apex_mode_needs_apex(monkeypatch):
                        config=dict(fp16=dict(mode='apex')))
 
 
-def _torch_scaler_worker(rank, ref, batch):
+def _torch_scaler_worker(rank, state, batch):
     from colossal_lite.amp import TorchAmp
     from colossal_lite.engine import Engine
     model = build('gpt')
-    model.load_state_dict(ref['init'])
+    model.load_state_dict(state)
     opt = make_optimizer(model.parameters())
     amp = TorchAmp(model, opt, use_scaler=True, scaler_kwargs=dict(init_scale=2.0 ** 8))
     engine = Engine(model, opt, criterion('gpt'), amp=amp)
@@ -169,10 +169,10 @@ def _torch_scaler_worker(rank, ref, batch):
 def test_torch_grad_scaler_skips_overflow_on_every_rank():
     """The GradScaler path (fp16 on CUDA; forced here on CPU): one rank's inf skips all ranks."""
     batch = global_batch('gpt', batch=4)
-    ref = serial_reference('gpt', [batch], steps=1)
     config = dict(parallel=dict(tensor=dict(size=2, mode='1d')))
     for rank, (skipped, moved, scales) in enumerate(
-            run_distributed(_torch_scaler_worker, 2, config, ref, batch, timeout=300)):
+            run_distributed(_torch_scaler_worker, 2, config, serial_state('gpt'), batch,
+                            timeout=300)):
         assert skipped and moved, (rank, skipped, moved)
         assert scales == [128.0, 128.0], (rank, scales)
 
@@ -184,16 +184,13 @@ def _near_fp16_limit_step(rank=None):
     """A scaled fp16 gradient of 40000 per replica: fits in fp16, but a sum over two
     replicas before averaging (80000) would not."""
     import colossal_lite as clt
-    from colossal_lite.context import ParallelMode, global_context as gpc
     model = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     kwargs = {} if rank is not None else dict(config=_NEAR_LIMIT)
     engine, *_ = clt.initialize(model, optimizer, lambda out: out.float().mean(), **kwargs)
-    x = torch.ones(4, 1)
-    if rank is not None:
-        x = x.chunk(gpc.get_world_size(ParallelMode.DATA))[gpc.get_local_rank(ParallelMode.DATA)]
+    x = replica_batch(torch.ones(4, 1))              # serial: the whole batch
     engine.zero_grad()
     engine.execute_schedule((x, None))
     engine.step()

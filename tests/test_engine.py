@@ -21,53 +21,38 @@ import colossal_lite as clt
 from colossal_lite.communication import collective as C
 from colossal_lite.communication import comm_profile
 from colossal_lite.context import ParallelMode, global_context as gpc
-from colossal_lite.testing import ChildFailed, full_gradients, max_rel_diff, run_distributed
+from colossal_lite.testing import (ChildFailed, assert_close_dict, assert_matches_serial,
+                                   max_rel_diff, run_distributed, training_trace)
 from colossal_lite.amp import DynamicGradScaler, NaiveAmp
 from colossal_lite.engine import Engine
-from tests._engine_cases import (FAMILIES, build, criterion, full_batch_grads, global_batch,
-                                 make_optimizer, mlp, mlp_batch, replica_batch, serial_reference)
+from tests.model_cases import (FAMILIES, build, criterion, global_batch, make_optimizer,
+                               reference_trace, serial_state)
 
 CLIP = 1.0
 TIMEOUT = 300
 
 
-def _worst(actual: dict, expected: dict) -> float:
-    assert set(actual) == set(expected), sorted(set(actual) ^ set(expected))
-    return max(max_rel_diff(actual[k], expected[k]) for k in expected)
-
-
-def _train_family(family, ref, batch):
+def _engine_trace(family, state, batch, steps=3):
+    """``steps`` engine steps (execute_schedule + step) from ``state`` on every rank."""
     model = build(family)
-    model.load_state_dict(ref['init'])
-    opt = make_optimizer(model.parameters())
-    engine, *_ = clt.initialize(model, opt, criterion(family))
-    local = replica_batch(batch)
-    for step in range(3):
-        engine.zero_grad()
-        _, _, loss = engine.execute_schedule(local)
-        assert engine.step()
-        if step == 0:
-            first_loss = C.all_reduce(loss, ParallelMode.DATA) / gpc.get_world_size(ParallelMode.DATA)
-            grads = full_gradients(engine.model)
-            norm = engine.last_grad_norm
-    params = engine.model.state_dict()
-    return {'loss': abs(first_loss.item() - ref['loss']) / max(1.0, abs(ref['loss'])),
-            'norm': abs(norm - ref['norm']) / max(1.0, ref['norm']),
-            'grads': _worst(grads, ref['grads']),
-            'params': _worst(params, ref['params'])}
+    model.load_state_dict(state)
+    engine, *_ = clt.initialize(model, make_optimizer(model.parameters()), criterion(family))
+    return training_trace(engine, batch, steps=steps)
 
 
-def _layout_worker(rank, refs, batches, families=FAMILIES):
-    return {family: _train_family(family, refs[family], batches[family]) for family in families}
+def _layout_worker(rank, states, batches, families=FAMILIES):
+    return {family: _engine_trace(family, states[family], batches[family])
+            for family in families}
 
 
 @pytest.fixture(scope='module')
 def references():
     batches = {f: global_batch(f) for f in FAMILIES}
-    refs = {f: serial_reference(f, [batches[f]], steps=3, clip=CLIP) for f in FAMILIES}
+    states = {f: serial_state(f) for f in FAMILIES}
+    refs = {f: reference_trace(f, states[f], batches[f], steps=3, clip=CLIP) for f in FAMILIES}
     for f in FAMILIES:  # the clipping branch must be exercised
-        assert refs[f]['norm'] > CLIP, (f, refs[f]['norm'])
-    return refs, batches
+        assert refs[f][0]['grad_norm'] > CLIP, (f, refs[f][0]['grad_norm'])
+    return states, batches, refs
 
 
 @pytest.mark.parametrize('world,parallel,handler,families', [
@@ -78,56 +63,58 @@ def references():
     (4, dict(tensor=dict(size=2, mode='sequence')), dict(), ('gpt', 'bert')),
 ], ids=['dp2', 'dp2xtp2', 'dp4', 'dp2xseq2'])
 def test_layout_equals_serial(references, world, parallel, handler, families):
-    refs, batches = references
+    """Replica-averaged loss, clipping norm, every (clipped) gradient and the weights at
+    each of 3 engine steps equal a plain serial loop on the whole batch."""
+    states, batches, refs = references
     config = dict(parallel=parallel, clip_grad_norm=CLIP, gradient_handler=handler)
-    results = run_distributed(_layout_worker, world, config, refs, batches, families,
+    results = run_distributed(_layout_worker, world, config, states, batches, families,
                               timeout=TIMEOUT)
-    for rank, per_family in enumerate(results):
-        for family, diffs in per_family.items():
-            for what, diff in diffs.items():
-                assert diff <= 1e-5, f'rank {rank} {family} {what} differs by {diff:.3g}'
+    for family in families:
+        assert_matches_serial([r[family] for r in results], refs[family])
 
 
 ACCUM = 2
 
 
-def _accumulation_worker(rank, ref, batch):
+def _accumulation_worker(rank, state, batch):
     model = build('gpt')
-    model.load_state_dict(ref['init'])
+    model.load_state_dict(state)
     engine, *_ = clt.initialize(model, make_optimizer(model.parameters()),
                                 criterion('gpt'))
     assert engine.num_microbatches == ACCUM
-    calls, backward = [], engine.backward
+    calls, backward, counts = [], engine.backward, {}
 
     def counted_backward(loss):                  # DATA collectives issued inside each backward
         with comm_profile() as stats:
             backward(loss)
         calls.append(stats.calls(ParallelMode.DATA))
 
+    def counted_step(engine, batch):
+        engine.zero_grad()
+        with comm_profile() as schedule_stats:
+            _, _, loss = engine.execute_schedule(batch)   # ACCUM micro-batches
+        with comm_profile() as step_stats:
+            counts['stepped'] = engine.step()
+        counts['total'] = (schedule_stats.calls(ParallelMode.DATA)
+                           + step_stats.calls(ParallelMode.DATA))
+        return {'loss': loss}
+
     engine.backward = counted_backward
-    ids = replica_batch(batch)[0]
-    engine.zero_grad()
-    with comm_profile() as schedule_stats:
-        engine.execute_schedule((ids, ids))      # ACCUM micro-batches: forward + backward
-    with comm_profile() as step_stats:
-        stepped = engine.step()
-    grads = full_gradients(engine.model)
-    return {'stepped': stepped, 'calls': calls, 'overlapped': calls[-1],
-            'total': schedule_stats.calls(ParallelMode.DATA) + step_stats.calls(ParallelMode.DATA),
-            'buckets': len(engine.gradient_handler.buckets),
-            'grads': _worst(grads, ref['grads']),
-            'params': _worst(engine.model.state_dict(), ref['params'])}
+    trace = training_trace(engine, batch, steps=1, step_fn=counted_step)
+    return dict(counts, trace=trace, calls=calls, overlapped=calls[-1],
+                buckets=len(engine.gradient_handler.buckets))
 
 
 def test_gradient_accumulation_equals_larger_batch():
     batch = global_batch('gpt', seed=3, batch=8)
-    ref = serial_reference('gpt', [batch], steps=1)
+    state = serial_state('gpt')
+    ref = reference_trace('gpt', state, batch, steps=1)
     config = dict(parallel=dict(tensor=dict(size=2, mode='1d')), gradient_accumulation=ACCUM,
                   gradient_handler=dict(bucket_mb=0.004))
-    results = run_distributed(_accumulation_worker, 4, config, ref, batch, timeout=TIMEOUT)
+    results = run_distributed(_accumulation_worker, 4, config, state, batch, timeout=TIMEOUT)
+    assert_matches_serial([r['trace'] for r in results], ref)
     for rank, r in enumerate(results):
         assert r['stepped'] and len(r['calls']) == ACCUM, r
-        assert r['grads'] <= 1e-5 and r['params'] <= 1e-5, (rank, r)
         assert r['buckets'] > 1, r
         assert r['calls'][0] == 0, f'rank {rank} communicated before the last micro-step: {r}'
         assert r['total'] == r['buckets'], r
@@ -135,10 +122,10 @@ def test_gradient_accumulation_equals_larger_batch():
 
 
 def _unsupported_worker(rank):
-    model = build('gpt')
+    model = torch.nn.Linear(4, 4)  # not cut into pipeline stages
     try:
         clt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    except NotImplementedError as err:
+    except ValueError as err:
         return str(err)
     return None
 
@@ -151,9 +138,11 @@ def _raising_worker(rank):
 
 
 def test_unsupported_config_and_failing_rank():
-    messages = run_distributed(_unsupported_worker, 2, dict(parallel=dict(pipeline=2)),
-                               timeout=TIMEOUT)
-    assert all(m and 'pipeline' in m for m in messages), messages
+    with pytest.raises(ChildFailed, match='needs num_microbatches >= pipeline size 2'):
+        run_distributed(_unsupported_worker, 2, dict(parallel=dict(pipeline=2)), timeout=TIMEOUT)
+    messages = run_distributed(_unsupported_worker, 2, dict(parallel=dict(pipeline=2),
+                                                            num_microbatches=2), timeout=TIMEOUT)
+    assert all(m and 'cut into 2 stages' in m for m in messages), messages
     model = build('gpt')
     with pytest.raises(NotImplementedError, match='ZeRO'):
         clt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -170,21 +159,22 @@ def test_unsupported_config_and_failing_rank():
 def test_engine_serial_matches_plain_loop_and_batch_forms():
     """No launch: the engine is a plain loop; dict batches and direct calls work."""
     batch = global_batch('gpt', seed=4, batch=4)
-    ref = serial_reference('gpt', [batch], steps=2, clip=0.5)
+    state = serial_state('gpt')
+    ref = reference_trace('gpt', state, batch, steps=2, clip=0.5)
     model = build('gpt')
-    model.load_state_dict(ref['init'])
+    model.load_state_dict(state)
     engine, *_ = clt.initialize(model, make_optimizer(model.parameters()),
                                 criterion('gpt'), config=dict(clip_grad_norm=0.5))
     ids = batch[0]
     engine.zero_grad()
     engine.execute_schedule({'input_ids': ids, 'labels': ids})
     engine.step()
-    assert abs(engine.last_grad_norm - ref['norm']) <= 1e-5 * ref['norm']
+    norm = ref[0]['grad_norm'].item()
+    assert abs(engine.last_grad_norm - norm) <= 1e-5 * norm
     engine.zero_grad()
     engine.backward(engine.criterion(engine(ids), ids))
     engine.step()
-    assert max_rel_diff(torch.cat([v.flatten() for v in engine.model.state_dict().values()]),
-                        torch.cat([v.flatten() for v in ref['params'].values()])) <= 1e-5
+    assert_close_dict(engine.model.state_dict(), ref.named(1, 'param'), 1e-5, 'parameter')
     with pytest.raises(RuntimeError, match='without engine.backward'):
         engine.step()
     with pytest.raises(ValueError, match='batch'):
@@ -223,6 +213,26 @@ def test_clip_norm_sums_each_shard_group_once_2d():
 
 # ------------------------------------------------------------------ serial schedule (no launch)
 M = 4
+
+
+def mlp(seed: int = 0) -> torch.nn.Sequential:
+    """A small two-half MLP: ``[0]`` = Linear + Tanh (first half), ``[1]`` = Linear (second)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh()),
+                               torch.nn.Linear(16, 5))
+
+
+def mlp_batch(batch: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 6, generator=g), torch.randint(0, 5, (batch,), generator=g)
+
+
+def full_batch_grads(model: torch.nn.Module, batch) -> tuple:
+    """(loss, {name: grad}) of one plain backward of the mean cross entropy on ``batch``."""
+    model.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _engine(model, m=M, **kwargs):
@@ -274,7 +284,7 @@ def test_schedule_equals_manual_microsteps_and_full_batch(form):
         assert max_rel_diff(grads[name], expected) <= 1e-6, name
         assert max_rel_diff(manual.model.get_parameter(name).grad, expected) <= 1e-6, name
     for e in (engine, manual):
-        assert _worst(e.model.state_dict(), ref_params) <= 1e-6
+        assert_close_dict(e.model.state_dict(), ref_params, 1e-6, 'parameter')
 
 
 def test_schedule_outputs_forward_only_and_test_batches():
@@ -330,7 +340,8 @@ def test_gradient_accumulation_is_an_alias_of_num_microbatches():
             e.backward(e.criterion(e(xi), yi))
             record.append(e.step())
     assert stepped[0] == stepped[1] == [False] * (M - 1) + [True]
-    assert _worst(engines[0].model.state_dict(), engines[1].model.state_dict()) == 0
+    assert_close_dict(engines[0].model.state_dict(), engines[1].model.state_dict(), 0.0,
+                      'parameter')
     with pytest.raises(AttributeError):
         engines[0].gradient_accumulation = 2
     with pytest.raises(ValueError, match='differ'):

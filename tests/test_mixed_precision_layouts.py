@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import colossal_lite as clt
-from colossal_lite.engine import allreduce_gradients
-from colossal_lite.testing import full_gradients, max_rel_diff, run_distributed
+from colossal_lite.testing import (assert_matches_serial, plain_step, run_distributed,
+                                   training_trace)
 
 from tests.model_cases import make_case, serial_state
 
@@ -17,27 +17,28 @@ LAYOUTS = {
 }
 
 
-def _autocast_grads(rank, state):
-    build, inputs, labels, build_loss = make_case('gpt')
-    model = build()
+def _backward_trace(name, state, batch, **step_kw):
+    """Loss and every full gradient of one backward (no update) of a case's model."""
+    case = make_case(name)
+    model = case.build()
     model.load_state_dict(state)
-    with torch.autocast('cpu', dtype=torch.bfloat16):
-        loss = build_loss()(model(*inputs), labels)
-    loss.backward()
-    allreduce_gradients(model.parameters())  # completes sequence-mode gradients
-    return loss.detach().float(), full_gradients(model)
+    step = plain_step(case.criterion(), outputs=False, **step_kw)
+    return training_trace(model, batch, steps=1, step_fn=step)
+
+
+def _autocast_trace(rank, state):
+    return _backward_trace('gpt', state, make_case('gpt').batch, autocast=torch.bfloat16)
 
 
 @pytest.mark.parametrize('mode', ['2d', '3d', 'sequence'])
 def test_bf16_autocast_matches_serial_in_every_layout(mode):
+    """bf16 sums in another order: a few bf16 ulps on gradients, loss within 1e-3."""
     state = serial_state('gpt')
-    expected_loss, expected = _autocast_grads(0, state)
+    expected = _autocast_trace(None, state)
     world, parallel = LAYOUTS[mode]
-    loss, grads = run_distributed(_autocast_grads, world, dict(parallel=parallel), state,
-                                  timeout=600)[0]
-    assert abs(loss - expected_loss) < 1e-3
-    for key in expected:  # bf16 sums in another order: a few bf16 ulps
-        assert max_rel_diff(grads[key], expected[key]) < 1e-2, key
+    traces = run_distributed(_autocast_trace, world, dict(parallel=parallel), state, timeout=600)
+    loss_tol = 1e-3 / max(1.0, abs(expected[0]['loss'].item()))   # |diff| < 1e-3
+    assert_matches_serial(traces, expected, dict(loss=loss_tol, grad=1e-2, param=0.0))
 
 
 def _naive_fp16_steps(rank, state):
@@ -65,27 +66,23 @@ def test_naive_fp16_takes_every_step(mode):
         assert skipped == [False, False, False]
 
 
-def _fully_padded_bert(rank, state):
-    build, (ids, mask), (mlm, nsp), build_loss = make_case('bert')
-    mask = mask.clone()
+def _fully_padded_batch():
+    (ids, mask), (mlm, nsp) = make_case('bert').batch
+    mask, mlm = mask.clone(), mlm.clone()
     mask[1] = 0                     # a sample with nothing to attend to
-    mlm = mlm.clone()
     mlm[1] = -100
-    model = build()
-    model.load_state_dict(state)
-    loss = build_loss()(model(ids, mask), (mlm, nsp))
-    loss.backward()
-    allreduce_gradients(model.parameters())
-    return loss.detach(), full_gradients(model)
+    return (ids, mask), (mlm, nsp)
+
+
+def _fully_padded_trace(rank, state):
+    return _backward_trace('bert', state, _fully_padded_batch())
 
 
 def test_sequence_mode_gives_zero_attention_to_fully_padded_samples():
     state = serial_state('bert')
-    expected_loss, expected = _fully_padded_bert(0, state)
-    assert torch.isfinite(expected_loss)
+    expected = _fully_padded_trace(None, state)
+    assert torch.isfinite(expected[0]['loss'])
     world, parallel = LAYOUTS['sequence']
-    loss, grads = run_distributed(_fully_padded_bert, world, dict(parallel=parallel), state,
-                                  timeout=600)[0]
-    assert max_rel_diff(loss, expected_loss) < 1e-5
-    for key in expected:
-        assert max_rel_diff(grads[key], expected[key]) < 1e-5, key
+    traces = run_distributed(_fully_padded_trace, world, dict(parallel=parallel), state,
+                             timeout=600)
+    assert_matches_serial(traces, expected, 1e-5)

@@ -2,53 +2,32 @@
 import pytest
 import torch
 
-from colossal_lite.testing import assert_traces_match, run_distributed, training_trace
+from colossal_lite.testing import assert_matches_serial, run_distributed
 
-from tests.model_cases import make_case, serial_state
-
-
-def _trace(name, state, **overrides):
-    build, inputs, labels, build_loss = make_case(name, **overrides)
-    model = build()
-    model.load_state_dict(state)
-    return training_trace(model, inputs, labels, build_loss())
-
-
-def _serial_trace(name, **overrides):
-    return _trace(name, serial_state(name, **overrides), **overrides)
-
-
-def _parallel_traces(rank, names, states, overrides):
-    return {name: _trace(name, states[name], **overrides) for name in names}
+from tests.model_cases import FAMILIES, rank_traces, serial_state, serial_traces
 
 
 @pytest.mark.parametrize('tp', [2, 4])
 def test_gpt_bert_vit_under_1d_equal_serial(tp):
-    names = ('gpt', 'bert', 'vit')
-    states = {name: serial_state(name) for name in names}
-    expected = {name: _serial_trace(name) for name in names}
+    states, expected = serial_traces(FAMILIES)
     config = dict(parallel=dict(tensor=dict(size=tp, mode='1d')))
-    results = run_distributed(_parallel_traces, tp, config, names, states, {}, timeout=600)
-    for rank, traces in enumerate(results):
-        for name in names:
-            assert_traces_match(traces[name], expected[name])
+    results = run_distributed(rank_traces, tp, config, states, timeout=600)
+    for name in FAMILIES:
+        assert_matches_serial([r[name] for r in results], expected[name])
 
 
 def test_gpt_under_1d_tp8_equals_serial():
-    overrides = dict(heads=8)
-    states = {'gpt': serial_state('gpt', **overrides)}
-    expected = _serial_trace('gpt', **overrides)
+    case_kw = dict(heads=8)
+    states, expected = serial_traces(('gpt',), case_kw)
     config = dict(parallel=dict(tensor=dict(size=8, mode='1d')))
-    results = run_distributed(_parallel_traces, 8, config, ('gpt',), states, overrides, timeout=600)
-    for traces in results:
-        assert_traces_match(traces['gpt'], expected)
+    results = run_distributed(rank_traces, 8, config, states, case_kw, timeout=600)
+    assert_matches_serial([r['gpt'] for r in results], expected['gpt'])
 
 
 def _init_only(rank):
-    from tests.model_cases import make_case as mk
-    build, *_ = mk('gpt')
+    from model_zoo import GPT
     torch.manual_seed(0)
-    return build().state_dict()
+    return GPT.from_preset('tiny').state_dict()
 
 
 def test_parallel_init_draws_the_serial_weights():

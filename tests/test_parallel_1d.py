@@ -11,7 +11,7 @@ from colossal_lite.nn.parallel_1d import (Classifier1D, ColumnLinear1D, Dropout1
                                           VocabParallelEmbedding1D)
 from colossal_lite.formulas import mlp_1d_bytes
 from colossal_lite.tensor import placement_of
-from colossal_lite.testing import full_gradients, max_rel_diff, run_distributed
+from colossal_lite.testing import Trace, assert_matches_serial, full_gradients, run_distributed
 
 B, S, H, V = 2, 4, 8, 16
 
@@ -24,17 +24,23 @@ def _ids():
     return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(6))
 
 
-def _run_layer(module, inp, loss_of=lambda y: (y * y).sum() / 2):
-    """Forward, a fixed loss, backward: (output, input grad or None, full grads, full state)."""
+def _run_layer(module, inp, loss_of=lambda y: (y * y).sum() / 2, autocast=None):
+    """Forward (under ``autocast`` to that dtype), a fixed loss, backward as a one-step
+    trace: the full output, the input's gradient, every full gradient, the full state."""
     if inp.is_floating_point():
         inp = inp.clone().requires_grad_()
     torch.manual_seed(0)
-    y = module(inp)
+    with torch.autocast('cpu', dtype=autocast, enabled=autocast is not None):
+        y = module(inp)
     if placement_of(y) is not None:  # classifier logits: the full serial logits
         y = col_nn.gather_logits(y)
     loss_of(y).backward()
-    return (y.detach(), inp.grad if inp.is_floating_point() else None,
-            full_gradients(module), module.state_dict())
+    record = {'output.0': y.detach()}
+    if inp.is_floating_point():
+        record['input_grad.0'] = inp.grad
+    record.update({f'grad:{k}': g for k, g in full_gradients(module).items()})
+    record.update({f'param:{k}': v for k, v in module.state_dict().items()})
+    return Trace([record])
 
 
 def _layers():
@@ -58,16 +64,9 @@ def _all_layers(rank):
 def test_each_1d_layer_equals_serial(tp):
     expected = _all_layers(0)  # serial: no context launched, one-rank groups
     config = dict(parallel=dict(tensor=dict(size=tp, mode='1d')))
-    for result in run_distributed(_all_layers, tp, config, timeout=300):
-        for name, (y, dx, grads, state) in result.items():
-            ey, edx, egrads, estate = expected[name]
-            assert max_rel_diff(y, ey) < 1e-6, name
-            if edx is not None:
-                assert max_rel_diff(dx, edx) < 1e-6, name
-            for key in egrads:
-                assert max_rel_diff(grads[key], egrads[key]) < 1e-6, (name, key)
-            for key in estate:
-                assert torch.equal(state[key], estate[key]), (name, key)
+    results = run_distributed(_all_layers, tp, config, timeout=300)
+    for name, trace in expected.items():
+        assert_matches_serial([r[name] for r in results], trace, dict(param=0.0, default=1e-6))
 
 
 def _mlp_block_counts(rank):
@@ -150,20 +149,16 @@ def test_load_state_dict_rejects_a_wrong_full_shape():
 def _column_under_autocast(rank):
     torch.manual_seed(0)
     layer = ColumnLinear1D(H, 2 * H, gather_output=True)
-    x = _x().requires_grad_()
-    with torch.autocast('cpu', dtype=torch.bfloat16):
-        y = layer(x)
-    (y.float() ** 2).sum().backward()
-    return y.detach().float(), x.grad, full_gradients(layer)
+    return _run_layer(layer, _x(), lambda y: (y.float() ** 2).sum(), autocast=torch.bfloat16)
 
 
 def test_column_linear_under_bf16_autocast_equals_serial():
-    """The overlapped backward casts like autocast: same bf16 results as the serial layer."""
-    ey, edx, egrads = _column_under_autocast(0)
+    """The overlapped backward casts like autocast: same bf16 results as the serial layer;
+    gradients in fp32 like the weights."""
+    expected = _column_under_autocast(0)
     config = dict(parallel=dict(tensor=dict(size=2, mode='1d')))
-    for y, dx, grads in run_distributed(_column_under_autocast, 2, config, timeout=300):
-        assert y.dtype == torch.float32 and max_rel_diff(y, ey) < 1e-2
-        assert dx.dtype == torch.float32 and max_rel_diff(dx, edx) < 2e-2
-        for key in egrads:
-            assert grads[key].dtype == torch.float32
-            assert max_rel_diff(grads[key], egrads[key]) < 2e-2, key
+    results = run_distributed(_column_under_autocast, 2, config, timeout=300)
+    assert_matches_serial(results, expected, dict(output=1e-2, input_grad=2e-2, grad=2e-2,
+                                                  param=0.0))
+    for trace in results:
+        assert all(v.dtype == torch.float32 for k, v in trace[0].items() if k != 'output.0')

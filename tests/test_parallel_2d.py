@@ -6,45 +6,24 @@ import colossal_lite.nn as col_nn
 from colossal_lite.context import ParallelMode, ProcessGroupAxis
 from colossal_lite.nn.parallel_2p5d import Grid2p5D, Linear2p5D
 from colossal_lite.formulas import linear_2p5d_bytes, linear_2p5d_wire_bytes
-from colossal_lite.testing import run_distributed
 
-from tests._tp_grid_cases import (B, H, S, TOL, LAYER_CASES, check_dropout, check_layers,
-                                  check_models,
-                                  layer_references, model_references)
+from tests._tp_grid_cases import B, H, S, run_layer_checks, run_model_checks
 
 CFG_2D = dict(parallel=dict(tensor=dict(size=4, mode='2d')))
 
 
-def _assert_models(results, ranks):
-    assert len(results) == ranks
-    for rank, worst in enumerate(results):
-        for name, (diff, key, count) in worst.items():
-            assert count > 10, (name, count)
-            assert diff <= TOL, f'rank {rank} {name}: {key} differs by {diff:.3g}'
-
-
 def test_2d_layers_equal_serial_and_linear_bytes_match_formula():
-    refs = layer_references()
-    results = run_distributed(check_layers, 4, CFG_2D, refs, (B, S, H), timeout=300)
-    for rank, res in enumerate(results):
-        assert set(res['diffs']) == set(LAYER_CASES)
-        for name, diff in res['diffs'].items():
-            assert diff <= TOL, f'rank {rank} {name} differs by {diff:.3g}'
-        check_dropout(*res['dropout'], grid_shape=(2, 2))
-        measured, wire = res['bytes']
+    for measured, wire in run_layer_checks(4, CFG_2D, grid_shape=(2, 2)):
         assert measured == linear_2p5d_bytes(B, S, H, q=2, d=1)
         assert abs(wire - linear_2p5d_wire_bytes(B, S, H, q=2, d=1)) < 1e-6
 
 
 def test_2d_gpt_bert_vit_equal_serial_after_3_adamw_steps():
-    refs = model_references()
-    _assert_models(run_distributed(check_models, 4, CFG_2D, refs, timeout=300), 4)
+    run_model_checks(4, CFG_2D)
 
 
 def test_data_parallel_x_2d_equals_serial():
-    refs = model_references()
-    results = run_distributed(check_models, 8, CFG_2D, refs, True, timeout=300)
-    _assert_models(results, 8)
+    run_model_checks(8, CFG_2D)
 
 
 def _fake_grid(q):

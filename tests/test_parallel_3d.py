@@ -3,8 +3,8 @@
 Two forked 8-rank runs (module fixtures): one checks every 3D layer alone against
 the serial torch/1D layer built from the same full weights, and the exact byte
 count of a Linear; the other checks GPT, BERT and ViT tiny presets (loss, logits,
-every gradient, parameters after 3 AdamW steps) against serial references
-computed in this (unlaunched) process.
+every gradient, parameters at each of 3 AdamW steps) against serial traces
+computed in this (unlaunched) process, with ``colossal_lite.testing``'s harness.
 """
 import pytest
 import torch
@@ -21,8 +21,10 @@ from colossal_lite.nn.parallel_3d import (AttentionCore3D, Classifier3D, Dropout
                                           default_cube, first_token_3d, gather_activation,
                                           split_activation)
 from colossal_lite.formulas import linear_3d_bytes
-from colossal_lite.testing import full_gradients, max_rel_diff, run_distributed
+from colossal_lite.testing import assert_matches_serial, max_rel_diff, run_distributed
 from colossal_lite.tensor import gather_full
+
+from tests.model_cases import FAMILIES, rank_traces, serial_traces
 
 CFG = dict(parallel=dict(tensor=dict(size=8, mode='3d')))
 TOL = 1e-5
@@ -214,92 +216,18 @@ def test_3d_layer_equals_serial(layer_results, group):
 
 
 # ------------------------------------------------------------------ model zoo under 3D
-def _model_case(name):
-    """(model, inputs, labels, loss function) of a tiny preset; same draws on every call."""
-    from colossal_lite.nn import CrossEntropyLoss
-    from model_zoo import BERT, GPT, GPTLMLoss, ViT, BertPretrainingLoss
-    torch.manual_seed(11)
-    b, s = 4, 8
-    if name == 'gpt':
-        model = GPT.from_preset('tiny')
-        ids = torch.randint(0, 256, (b, s))
-        return model, (ids,), (ids,), GPTLMLoss()
-    if name == 'bert':
-        model = BERT.from_preset('tiny')
-        ids = torch.randint(0, 256, (b, s))
-        mask = torch.ones(b, s, dtype=torch.long)
-        mask[0, -3:] = 0
-        mask[3, -1:] = 0
-        mlm = torch.full((b, s), -100)
-        mlm[:, 1::3] = torch.randint(0, 256, (b, len(range(1, s, 3))))
-        return model, (ids, mask), (mlm, torch.tensor([0, 1, 1, 0])), BertPretrainingLoss()
-    model = ViT.from_preset('tiny')
-    return model, (torch.randn(b, 1, 8, 8),), (torch.tensor([3, 1, 4, 1]),), CrossEntropyLoss()
-
-
-def _train(model, inputs, labels, loss_fn, gather):
-    """Loss, full logits and full gradients of the first step; state after 3 AdamW steps."""
-    # eps=1e-6: the attention key bias has a gradient that is exactly 0 in exact arithmetic
-    # (softmax ignores a per-query constant), so both runs hold ~1e-10 rounding noise there,
-    # which Adam with eps=1e-8 would blow up to ~1e-4 parameter differences.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-6)
-    record = {}
-    for step in range(3):
-        optimizer.zero_grad()
-        outputs = model(*inputs)
-        loss = loss_fn(outputs, *labels)
-        loss.backward()
-        if step == 0:
-            outs = outputs if isinstance(outputs, tuple) else (outputs,)
-            record['loss'] = loss.detach()
-            record['logits'] = [gather(o).detach() for o in outs]
-            record['grads'] = full_gradients(model)
-        optimizer.step()
-    record['params'] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return record
-
-
-MODELS = ('gpt', 'bert', 'vit')
-
-
-def _compare(actual, expected):
-    diffs = {'loss': max_rel_diff(actual['loss'], expected['loss'])}
-    for k, (a, e) in enumerate(zip(actual['logits'], expected['logits'])):
-        diffs[f'logits{k}'] = max_rel_diff(a, e)
-    for kind in ('grads', 'params'):
-        if set(actual[kind]) != set(expected[kind]):
-            diffs[f'{kind}.keys'] = float('inf')
-        for key, value in expected[kind].items():
-            if key in actual[kind]:
-                diffs[f'{kind}.{key}'] = max_rel_diff(actual[kind][key], value)
-    return diffs
-
-
-def model_worker(rank, references):
-    from colossal_lite.nn import gather_logits
-    results = {}
-    for name in MODELS:
-        model, inputs, labels, loss_fn = _model_case(name)
-        model.load_state_dict(references[name]['init'])
-        results[name] = _compare(_train(model, inputs, labels, loss_fn, gather_logits),
-                                 references[name])
-    return results
+MODEL_BATCH = dict(batch=4, seq=8)
 
 
 @pytest.fixture(scope='module')
 def model_results():
-    references = {}
-    for name in MODELS:   # serial: this process has no launched context
-        model, inputs, labels, loss_fn = _model_case(name)
-        init = {k: v.clone() for k, v in model.state_dict().items()}
-        references[name] = dict(_train(model, inputs, labels, loss_fn, lambda t: t), init=init)
-    return run_distributed(model_worker, 8, CFG, references, timeout=300)
+    """Serial traces (this process has no launched context) and every rank's traces."""
+    states, expected = serial_traces(FAMILIES, MODEL_BATCH)
+    return expected, run_distributed(rank_traces, 8, CFG, states, MODEL_BATCH, timeout=300)
 
 
-@pytest.mark.parametrize('name', MODELS)
+@pytest.mark.parametrize('name', FAMILIES)
 def test_3d_model_equals_serial(model_results, name):
-    for rank, res in enumerate(model_results):
-        diffs = res[name]
-        assert len(diffs) > 10
-        worst = max(diffs, key=diffs.get)
-        assert diffs[worst] <= TOL, f'{name} rank {rank}: {worst} differs by {diffs[worst]:.3g}'
+    """Loss, logits, every gradient and the parameters at each of 3 AdamW steps."""
+    expected, results = model_results
+    assert_matches_serial([r[name] for r in results], expected[name], TOL)

@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colossal_lite.communication import all_reduce, comm_profile
+from colossal_lite.communication import comm_profile
 from colossal_lite.context import ParallelMode, global_context as gpc
-from colossal_lite.engine import allreduce_gradients
-from colossal_lite.nn import gather_logits
 from colossal_lite.nn.functional import attention
-from colossal_lite.tensor import gather_full
 from colossal_lite.formulas import ring_attention_bytes, ring_attention_saved_bytes
-from colossal_lite.testing import max_rel_diff, run_distributed
+from colossal_lite.testing import assert_matches_serial, max_rel_diff, run_distributed
+
+from tests.model_cases import rank_traces, serial_traces
 
 B, S, H, HEADS = 2, 16, 32, 4          # ring attention case: batch, sequence, hidden, heads
 TOL = 1e-5
@@ -22,11 +21,6 @@ TOL = 1e-5
 
 def seq_config(p):
     return dict(parallel=dict(tensor=dict(mode='sequence', size=p)))
-
-
-def rel_diff(a, b) -> float:  # NaN-safe: see colossal_lite.testing.max_rel_diff
-    """max |a - b| / max(1, max |b|): the fp32 comparison measure."""
-    return max_rel_diff(a, b)
 
 
 def saved_tensor_bytes(fn):
@@ -66,8 +60,8 @@ def _ring_worker(rank):
                                        key_padding_mask=mask))
             res.backward(local_block(g, axis))
         out[name] = dict(
-            diffs=[rel_diff(res.detach(), local_block(ref.detach(), axis))]      # out, dq, dk, dv
-                  + [rel_diff(lt.grad, local_block(ft.grad, axis)) for lt, ft in zip(local, full)],
+            diffs=[max_rel_diff(res.detach(), local_block(ref.detach(), axis))]      # out, dq, dk, dv
+                  + [max_rel_diff(lt.grad, local_block(ft.grad, axis)) for lt, ft in zip(local, full)],
             send_bytes=stats.bytes(ParallelMode.SEQUENCE, 'send'),
             recv_bytes=stats.bytes(ParallelMode.SEQUENCE, 'recv'),
             other_bytes=stats.bytes() - stats.bytes(ParallelMode.SEQUENCE),
@@ -123,102 +117,7 @@ def test_sequence_length_not_divisible_raises(ring_results):
 
 
 # ----------------------------------------------------------------- BERT and GPT vs serial
-def make_batch(b=4, s=16, vocab=256):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (b, s), generator=g)
-    mask = torch.ones(b, s, dtype=torch.long)
-    mask[1, -3:] = 0
-    mask[3, -2:] = 0
-    mlm = torch.full((b, s), -100, dtype=torch.long)
-    # masked positions crowd the first quarter: ranks get 4, 2, 0, 1 (+1 on one rank)
-    for pos in (0, 1, 2, 3, 4, 5, 12):
-        mlm[:, pos] = ids[:, pos]
-    mlm[0, 8] = ids[0, 8]   # one extra per data half keeps the halves' counts equal
-    mlm[2, 10] = ids[2, 10]
-    nsp = torch.tensor([0, 1, 1, 0])
-    images = torch.randn(b, 1, 6, 6, generator=g)   # 9 patches + class token = 10 tokens
-    return dict(ids=ids, mask=mask, mlm=mlm, nsp=nsp, images=images, classes=nsp + 3)
-
-
-def build(family):
-    from model_zoo import BERT, GPT, BertPretrainingLoss, GPTLMLoss, ViT
-    from colossal_lite.nn import CrossEntropyLoss
-    if family == 'bert':
-        return BERT.from_preset('tiny'), BertPretrainingLoss()
-    if family == 'vit':
-        return ViT.from_preset('tiny', img_size=6), CrossEntropyLoss()
-    return GPT.from_preset('tiny'), GPTLMLoss()
-
-
-def train(family, model, criterion, batch, steps=3):
-    """``steps`` AdamW steps; loss, full logits and full gradients of the first step."""
-    # eps=1e-6: a key bias has a zero gradient in exact arithmetic (softmax ignores it), so
-    # Adam must not blow rounding noise up to lr-sized steps
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-6)
-    first = None
-    for step in range(steps):
-        opt.zero_grad()
-        if family == 'bert':
-            out = model(batch['ids'], attention_mask=batch['mask'])
-            loss = criterion(out, batch['mlm'], batch['nsp'])
-            logits = [gather_logits(t).detach() for t in out]
-        elif family == 'vit':   # class token on sequence rank 0, replicated class logits
-            out = model(batch['images'])
-            loss = criterion(out, batch['classes'])
-            logits = [gather_logits(out).detach()]
-        else:
-            out = model(batch['ids'])
-            loss = criterion(out, batch['ids'])
-            logits = [gather_logits(out).detach()]
-        loss.backward()
-        allreduce_gradients(model.parameters())
-        if step == 0:
-            first = dict(loss=loss.detach(), logits=logits,
-                         grads={n: gather_full(p.grad, p) for n, p in model.named_parameters()})
-        opt.step()
-    return dict(first, params=model.state_dict())
-
-
-def worst(got: dict, ref: dict):
-    """(largest relative difference, its key) over the serial model's keys."""
-    if got.keys() != ref.keys():
-        return float('inf'), sorted(set(got) ^ set(ref))
-    return max((rel_diff(got[k], ref[k]), k) for k in ref)
-
-
-def _train_worker(rank, family, state, batch, serial):
-    """Train the sequence-parallel model; return its differences from the serial run
-    (plain floats: tensors would travel through shared memory the child may release)."""
-    model, criterion = build(family)
-    model.load_state_dict(state)
-    dp = gpc.axis(ParallelMode.DATA)
-    local = {k: v.chunk(dp.size, 0)[dp.rank] for k, v in batch.items()}
-    res = train(family, model, criterion, local)
-    mean_loss = all_reduce(res['loss'], dp) / dp.size   # DATA replicas: mean of equal halves
-    return dict(loss=rel_diff(mean_loss, serial['loss']),
-                logits=[rel_diff(got, ref.chunk(dp.size, 0)[dp.rank])
-                        for got, ref in zip(res['logits'], serial['logits'])],
-                grads=worst(res['grads'], serial['grads']),
-                params=worst(res['params'], serial['params']))
-
-
-def _serial(family, batch):
-    torch.manual_seed(0)
-    model, criterion = build(family)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    return state, train(family, model, criterion, batch)
-
-
-def _models_worker(rank, states, batch, serial):
-    return {f: _train_worker(rank, f, states[f], batch, serial[f]) for f in states}
-
-
-def check_against_serial(results, family):
-    for rank, res in enumerate(results):
-        assert res['loss'] <= TOL, (family, rank, res['loss'])
-        assert max(res['logits']) <= TOL, (family, rank, res['logits'])
-        assert res['grads'][0] <= TOL, (family, rank, 'grad', res['grads'])
-        assert res['params'][0] <= TOL, (family, rank, 'param after 3 AdamW steps', res['params'])
+SEQ_BATCH = dict(batch=4, seq=16)   # BERT labels at positions 0..5 and 12: P=4 ranks hold 4, 2, 0, 1
 
 
 @pytest.mark.parametrize('world,config,families', [
@@ -227,12 +126,11 @@ def check_against_serial(results, family):
     (4, dict(parallel=dict(data=2, tensor=dict(mode='sequence', size=2))), ('bert', 'gpt')),
 ], ids=['P2', 'P4', 'dp2xP2'])
 def test_models_match_serial(world, config, families):
-    """BERT (padding mask, uneven MLM labels, NSP via first_token), GPT (causal) and, at P=2,
-    ViT (class token) equal the serial model: loss, logits, gradients, 3 AdamW steps."""
-    batch = make_batch()
-    states, serial = {}, {}
+    """BERT (padding mask, uneven MLM labels over the sequence ranks, NSP via first_token),
+    GPT (causal) and, at P=2, ViT (class token: 1 + 9 patches of a 6x6 image) equal the
+    serial model: loss, logits, every gradient, parameters at each of 3 AdamW steps."""
+    case_kw = dict(SEQ_BATCH, img_size=6)
+    states, expected = serial_traces(families, case_kw)
+    results = run_distributed(rank_traces, world, config, states, case_kw, timeout=300)
     for family in families:
-        states[family], serial[family] = _serial(family, batch)
-    results = run_distributed(_models_worker, world, config, states, batch, serial, timeout=300)
-    for family in families:
-        check_against_serial([r[family] for r in results], family)
+        assert_matches_serial([r[family] for r in results], expected[family], TOL)

@@ -13,10 +13,10 @@ import torch
 import colossal_lite as clt
 from colossal_lite.trainer import hooks as H
 from colossal_lite.trainer import Trainer
-from colossal_lite.testing import max_rel_diff, run_distributed
+from colossal_lite.testing import (assert_close_dict, make_optimizer, max_rel_diff,
+                                   replica_batch, run_distributed)
 from colossal_lite.engine import Engine
-from tests._engine_cases import (build, criterion, global_batch, make_optimizer, replica_batch,
-                                 serial_reference)
+from tests.model_cases import build, criterion, global_batch, reference_trace, serial_state
 
 
 class Recorder(H.BaseHook):
@@ -170,9 +170,9 @@ def test_fit_steps_are_schedules_of_m_loader_batches(loader):
 ACCUM, STEPS = 2, 2
 
 
-def _fit_worker(rank, ref, micro_batches, path):
+def _fit_worker(rank, state, micro_batches, path):
     model = build('gpt')
-    model.load_state_dict(ref['init'])
+    model.load_state_dict(state)
     engine, loader, *_ = clt.initialize(model, make_optimizer(model.parameters()),
                                         criterion('gpt'),
                                         train_dataloader=[replica_batch(b) for b in micro_batches])
@@ -187,14 +187,14 @@ def test_fit_dp2_with_accumulation_equals_serial(tmp_path):
     micro = [global_batch('gpt', seed=20 + i, batch=4) for i in range(ACCUM * STEPS)]
     big = [tuple(torch.cat([m[j] for m in micro[s * ACCUM:(s + 1) * ACCUM]]) for j in range(2))
            for s in range(STEPS)]
-    ref = serial_reference('gpt', big, steps=STEPS)
+    state = serial_state('gpt')
+    ref = reference_trace('gpt', state, big, steps=STEPS)
     path = os.path.join(str(tmp_path), 'fit.pt')
-    results = run_distributed(_fit_worker, 2, dict(gradient_accumulation=ACCUM), ref, micro, path,
-                              timeout=300)
+    results = run_distributed(_fit_worker, 2, dict(gradient_accumulation=ACCUM), state, micro,
+                              path, timeout=300)
     assert [r[1] for r in results] == [STEPS, STEPS]
     assert results[0][0] == results[1][0]          # loss metric averaged over replicas
     assert results[0][2] == results[1][2] and len(results[0][2]) == 2   # per-rank peaks
     assert results[0][3] == pytest.approx(ACCUM * 4)     # global samples per step
-    saved = torch.load(path)['model']
-    worst = max(max_rel_diff(saved[k], ref['params'][k]) for k in ref['params'])
-    assert worst <= 1e-5, worst
+    assert_close_dict(torch.load(path)['model'], ref.named(STEPS - 1, 'param'), 1e-5,
+                      'parameter after fit:')
