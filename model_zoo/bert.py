@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 import colossal_lite.nn as col_nn
+from colossal_lite.pipeline.stages import StagedModel
 from colossal_lite.tensor import init_by_name
 
-from .blocks import layer_stack, normal_init, preset_config, zeros_init
+from .blocks import normal_init, plan_transformer_stages, preset_config, stage_blocks, zeros_init
 
 # 30522 is padded to 30528 (divisible by 64) so every tensor split divides
 BERT_PRESETS = {
@@ -19,7 +20,7 @@ BERT_PRESETS = {
 }
 
 
-class BERT(nn.Module):
+class BERT(StagedModel):
     """``BERT(...)(input_ids [b, s], attention_mask=None, token_type_ids=None)``
     -> ``(mlm_logits, nsp_logits)`` (only ``mlm_logits`` when ``nsp=False``)."""
 
@@ -31,23 +32,39 @@ class BERT(nn.Module):
         with init_by_name(self):  # each weight a function of (seed, its name)
             self.max_positions = max_positions
             init = normal_init(init_std)
-            self.word_embeddings = col_nn.VocabParallelEmbedding(vocab_size, hidden, weight_init=init)
-            self.position_embeddings = col_nn.Embedding(max_positions, hidden, weight_init=init)
-            self.token_type_embeddings = col_nn.Embedding(type_vocab_size, hidden, weight_init=init)
-            self.embed_ln = col_nn.LayerNorm(hidden, eps=eps)
-            self.drop = col_nn.Dropout(dropout)
-            self.layers = layer_stack(layers, hidden, heads, mlp_ratio, dropout,
-                                      causal=False, pre_ln=False, eps=eps, gelu_approximate='none',
-                                      init_std=init_std, checkpoint=checkpoint)
-            self.mlm_dense = col_nn.Linear(hidden, hidden, weight_init=init, bias_init=zeros_init)
-            self.mlm_act = nn.GELU()
-            self.mlm_ln = col_nn.LayerNorm(hidden, eps=eps)
-            self.mlm_decoder = col_nn.VocabParallelClassifier(hidden, vocab_size, bias=True,
-                                                              weight=self.word_embeddings.weight)
+            plan_transformer_stages(
+                self, layers, hidden, mlp_ratio,
+                first_params=(vocab_size + max_positions + type_vocab_size + 2) * hidden,
+                last_params=(hidden + 3 + vocab_size) * hidden + vocab_size
+                + ((hidden + 3) * hidden + 2 if nsp else 0),
+                options=dict(vocab_size=vocab_size, max_positions=max_positions, hidden=hidden,
+                             layers=layers, heads=heads, mlp_ratio=mlp_ratio, eps=eps,
+                             type_vocab_size=type_vocab_size, nsp=nsp),
+                sample=lambda: (torch.zeros(2, min(max_positions, 64), dtype=torch.long),))
+            if self.holds_first or self.holds_last:
+                self.word_embeddings = col_nn.VocabParallelEmbedding(vocab_size, hidden,
+                                                                     weight_init=init)
+            if self.holds_first:
+                self.position_embeddings = col_nn.Embedding(max_positions, hidden, weight_init=init)
+                self.token_type_embeddings = col_nn.Embedding(type_vocab_size, hidden,
+                                                              weight_init=init)
+                self.embed_ln = col_nn.LayerNorm(hidden, eps=eps)
+                self.drop = col_nn.Dropout(dropout)
+            self.layers = stage_blocks(self, hidden, heads, mlp_ratio, dropout, causal=False,
+                                       pre_ln=False, eps=eps, gelu_approximate='none',
+                                       init_std=init_std, checkpoint=checkpoint)
             self.nsp = nsp
-            if nsp:
-                self.pooler = col_nn.Linear(hidden, hidden, weight_init=init, bias_init=zeros_init)
-                self.nsp_head = col_nn.Classifier(hidden, 2, weight_init=init)
+            if self.holds_last:
+                self.mlm_dense = col_nn.Linear(hidden, hidden, weight_init=init, bias_init=zeros_init)
+                self.mlm_act = nn.GELU()
+                self.mlm_ln = col_nn.LayerNorm(hidden, eps=eps)
+                self.mlm_decoder = col_nn.VocabParallelClassifier(
+                    hidden, vocab_size, bias=True, weight=self.word_embeddings.weight)
+                if nsp:
+                    self.pooler = col_nn.Linear(hidden, hidden, weight_init=init,
+                                                bias_init=zeros_init)
+                    self.nsp_head = col_nn.Classifier(hidden, 2, weight_init=init)
+        self.tie_across_stages('word_embeddings.weight')  # the LM head's weight on the last stage
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> 'BERT':
@@ -58,18 +75,21 @@ class BERT(nn.Module):
         return cls(**cfg)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                token_type_ids: Optional[torch.Tensor] = None):
-        b, s = input_ids.shape
-        if s > self.max_positions:
-            raise ValueError(f'sequence length {s} exceeds max_positions {self.max_positions}')
-        positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
-             + self.token_type_embeddings(token_type_ids))
-        x = self.drop(self.embed_ln(x))
-        for layer in self.layers:
-            x = layer(x, attention_mask)
+                token_type_ids: Optional[torch.Tensor] = None, stage_input: torch.Tensor = None,
+                stage: int = None):
+        spec = self.stage_spec(stage)
+        x = self.stage_start(spec, stage_input)
+        if spec.first:
+            positions = self.positions(input_ids, self.max_positions)
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+                 + self.token_type_embeddings(token_type_ids))
+            x = self.drop(self.embed_ln(x))
+        for i in spec.layers:
+            x = self.layers[str(i)](x, attention_mask)
+        if not spec.last:
+            return x
         mlm_logits = self.mlm_decoder(self.mlm_ln(self.mlm_act(self.mlm_dense(x))))
         if not self.nsp:
             return mlm_logits

@@ -91,11 +91,33 @@ class TransformerLayer(nn.Module):
         return self._forward(x, key_padding_mask)
 
 
-def layer_stack(layers: int, hidden: int, heads: int, mlp_ratio: int, dropout: float,
-                **layer_options) -> nn.ModuleList:
-    """``layers`` :class:`TransformerLayer` blocks, serial names ``<attr>.0`` .. ``<attr>.{n-1}``."""
-    return nn.ModuleList(TransformerLayer(hidden, heads, mlp_ratio, dropout, **layer_options)
-                         for _ in range(layers))
+_MEASURED: dict = {}  # (model class, options) -> measured (first, block, last) seconds
+
+
+def plan_transformer_stages(model, layers: int, hidden: int, mlp_ratio: int, first_params: int,
+                            last_params: int, options: dict, sample: Callable[[], tuple]):
+    """Decide ``model``'s pipeline stages over ``layers`` blocks. ``first_params`` /
+    ``last_params``: parameter counts of the parts before and after the blocks (for
+    ``partition='parameters'``); ``options``: the model's constructor arguments and
+    ``sample()``: small inputs, to time its parts (``partition='cost'``)."""
+    from colossal_lite.pipeline.stages import measure_part_costs, transformer_weights
+
+    def measure():
+        small = dict(options, layers=3, dropout=0.0, checkpoint=False)
+        key = (type(model).__name__, tuple(sorted(small.items())))
+        if key not in _MEASURED:  # once per process: every described rank cuts alike
+            _MEASURED[key] = measure_part_costs(lambda: type(model)(**small), sample)
+        return _MEASURED[key]
+    model.plan_stages(layers, transformer_weights(hidden, mlp_ratio, first_params, last_params,
+                                                  measure))
+
+
+def stage_blocks(model, hidden: int, heads: int, mlp_ratio: int, dropout: float,
+                 **layer_options) -> nn.ModuleDict:
+    """The :class:`TransformerLayer` blocks of ``model``'s stages (all of them when not
+    pipelined), keyed by serial index."""
+    return model.build_blocks(
+        lambda i: TransformerLayer(hidden, heads, mlp_ratio, dropout, **layer_options))
 
 
 def preset_config(presets: dict, name: str, overrides: dict, family: str) -> dict:

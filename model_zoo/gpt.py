@@ -5,9 +5,10 @@ import torch
 from torch import nn
 
 import colossal_lite.nn as col_nn
+from colossal_lite.pipeline.stages import StagedModel
 from colossal_lite.tensor import init_by_name
 
-from .blocks import layer_stack, normal_init, preset_config
+from .blocks import normal_init, plan_transformer_stages, preset_config, stage_blocks
 
 # vocabularies are padded to a multiple of 128 (50257 -> 50304) so every tensor split divides
 GPT_PRESETS = {
@@ -19,9 +20,13 @@ GPT_PRESETS = {
 }
 
 
-class GPT(nn.Module):
+class GPT(StagedModel):
     """``GPT(...)(input_ids [b, s]) -> logits`` (vocab-split under tensor parallelism;
-    ``colossal_lite.nn.gather_logits`` gives the full ``[b, s, V]``)."""
+    ``colossal_lite.nn.gather_logits`` gives the full ``[b, s, V]``).
+
+    Under pipeline parallelism a rank builds only its stages (``colossal_lite.pipeline.stages``):
+    ``wte``/``wpe`` on stage 0, ``ln_f``/``lm_head`` on the last stage, which also holds ``wte``
+    (the weight the head is tied to, summed over the EMBEDDING group in the engine)."""
 
     def __init__(self, vocab_size: int, max_positions: int, hidden: int, layers: int, heads: int,
                  mlp_ratio: int = 4, dropout: float = 0.1, eps: float = 1e-5,
@@ -29,29 +34,41 @@ class GPT(nn.Module):
         super().__init__()
         with init_by_name(self):  # each weight a function of (seed, its name)
             self.max_positions = max_positions
-            self.wte = col_nn.VocabParallelEmbedding(vocab_size, hidden, weight_init=normal_init(init_std))
-            self.wpe = col_nn.Embedding(max_positions, hidden, weight_init=normal_init(0.01))
-            self.drop = col_nn.Dropout(dropout)
-            self.blocks = layer_stack(layers, hidden, heads, mlp_ratio, dropout,
-                                      causal=True, pre_ln=True, eps=eps, gelu_approximate='tanh',
-                                      init_std=init_std, checkpoint=checkpoint)
-            self.ln_f = col_nn.LayerNorm(hidden, eps=eps)
-            self.lm_head = col_nn.VocabParallelClassifier(hidden, vocab_size, bias=False,
-                                                          weight=self.wte.weight)
+            options = dict(vocab_size=vocab_size, max_positions=max_positions, hidden=hidden,
+                           layers=layers, heads=heads, mlp_ratio=mlp_ratio, eps=eps)
+            plan_transformer_stages(
+                self, layers, hidden, mlp_ratio, first_params=(vocab_size + max_positions) * hidden,
+                last_params=(vocab_size + 2) * hidden, options=options,
+                sample=lambda: (torch.zeros(2, min(max_positions, 64), dtype=torch.long),))
+            if self.holds_first or self.holds_last:
+                self.wte = col_nn.VocabParallelEmbedding(vocab_size, hidden,
+                                                         weight_init=normal_init(init_std))
+            if self.holds_first:
+                self.wpe = col_nn.Embedding(max_positions, hidden, weight_init=normal_init(0.01))
+                self.drop = col_nn.Dropout(dropout)
+            self.blocks = stage_blocks(self, hidden, heads, mlp_ratio, dropout, causal=True,
+                                       pre_ln=True, eps=eps, gelu_approximate='tanh',
+                                       init_std=init_std, checkpoint=checkpoint)
+            if self.holds_last:
+                self.ln_f = col_nn.LayerNorm(hidden, eps=eps)
+                self.lm_head = col_nn.VocabParallelClassifier(hidden, vocab_size, bias=False,
+                                                              weight=self.wte.weight)
+        self.tie_across_stages('wte.weight')  # the LM head's weight on the last stage
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> 'GPT':
         return cls(**preset_config(GPT_PRESETS, name, overrides, 'GPT'))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        b, s = input_ids.shape
-        if s > self.max_positions:
-            raise ValueError(f'sequence length {s} exceeds max_positions {self.max_positions}')
-        positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        x = self.drop(self.wte(input_ids) + self.wpe(positions))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+    def forward(self, input_ids: torch.Tensor, stage_input: torch.Tensor = None,
+                stage: int = None) -> torch.Tensor:
+        spec = self.stage_spec(stage)
+        x = self.stage_start(spec, stage_input)
+        if spec.first:
+            positions = self.positions(input_ids, self.max_positions)
+            x = self.drop(self.wte(input_ids) + self.wpe(positions))
+        for i in spec.layers:
+            x = self.blocks[str(i)](x)
+        return self.lm_head(self.ln_f(x)) if spec.last else x
 
 
 class GPTLMLoss(nn.Module):

@@ -5,9 +5,10 @@ import torch
 from torch import nn
 
 import colossal_lite.nn as col_nn
+from colossal_lite.pipeline.stages import StagedModel
 from colossal_lite.tensor import init_by_name
 
-from .blocks import layer_stack, normal_init, preset_config, zeros_init
+from .blocks import normal_init, plan_transformer_stages, preset_config, stage_blocks, zeros_init
 
 VIT_PRESETS = {
     # 'tiny' fits scikit-learn's 8x8 one-channel digits
@@ -20,7 +21,7 @@ VIT_PRESETS = {
 }
 
 
-class ViT(nn.Module):
+class ViT(StagedModel):
     """``ViT(...)(images [b, C, H, W]) -> class logits [b, num_classes]``."""
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, num_classes: int, hidden: int,
@@ -28,21 +29,37 @@ class ViT(nn.Module):
                  eps: float = 1e-6, init_std: float = 0.02, checkpoint: bool = False):
         super().__init__()
         with init_by_name(self):  # each weight a function of (seed, its name)
-            self.patch_embed = col_nn.PatchEmbedding(img_size, patch_size, in_chans, hidden)
-            self.drop = col_nn.Dropout(dropout)
-            self.blocks = layer_stack(layers, hidden, heads, mlp_ratio, dropout,
-                                      causal=False, pre_ln=True, eps=eps, gelu_approximate='none',
-                                      init_std=init_std, checkpoint=checkpoint)
-            self.norm = col_nn.LayerNorm(hidden, eps=eps)
-            self.head = col_nn.Classifier(hidden, num_classes, weight_init=normal_init(init_std),
-                                          bias_init=zeros_init)
+            patches = (img_size // patch_size) ** 2
+            plan_transformer_stages(
+                self, layers, hidden, mlp_ratio,
+                first_params=(in_chans * patch_size ** 2 + 3 + patches) * hidden,
+                last_params=(num_classes + 2) * hidden + num_classes,
+                options=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
+                             num_classes=num_classes, hidden=hidden, layers=layers, heads=heads,
+                             mlp_ratio=mlp_ratio, eps=eps),
+                sample=lambda: (torch.zeros(2, in_chans, img_size, img_size),))
+            if self.holds_first:
+                self.patch_embed = col_nn.PatchEmbedding(img_size, patch_size, in_chans, hidden)
+                self.drop = col_nn.Dropout(dropout)
+            self.blocks = stage_blocks(self, hidden, heads, mlp_ratio, dropout, causal=False,
+                                       pre_ln=True, eps=eps, gelu_approximate='none',
+                                       init_std=init_std, checkpoint=checkpoint)
+            if self.holds_last:
+                self.norm = col_nn.LayerNorm(hidden, eps=eps)
+                self.head = col_nn.Classifier(hidden, num_classes,
+                                              weight_init=normal_init(init_std),
+                                              bias_init=zeros_init)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> 'ViT':
         return cls(**preset_config(VIT_PRESETS, name, overrides, 'ViT'))
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.drop(self.patch_embed(images))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(col_nn.first_token(self.norm(x)))
+    def forward(self, images: torch.Tensor, stage_input: torch.Tensor = None,
+                stage: int = None) -> torch.Tensor:
+        spec = self.stage_spec(stage)
+        x = self.stage_start(spec, stage_input)
+        if spec.first:
+            x = self.drop(self.patch_embed(images))
+        for i in spec.layers:
+            x = self.blocks[str(i)](x)
+        return self.head(col_nn.first_token(self.norm(x))) if spec.last else x

@@ -32,7 +32,8 @@ def test_every_rank_in_exactly_one_group_per_mode(world, parallel):
     for mode, groups in build_groups(_layout(world, parallel)).items():
         members = sorted(r for g in groups for r in g)
         assert members == list(range(world)), mode
-        assert len({len(g) for g in groups}) == 1, mode
+        if mode is not PM.EMBEDDING:  # first+last stage together, middle stages alone
+            assert len({len(g) for g in groups}) == 1, mode
 
 
 @pytest.mark.parametrize('world, parallel', LAYOUTS)
@@ -51,9 +52,12 @@ def test_group_sizes(world, parallel):
         '3d': {PM.PARALLEL_3D_INPUT: q, PM.PARALLEL_3D_WEIGHT: q, PM.PARALLEL_3D_OUTPUT: q,
                PM.PARALLEL_3D_INPUT_X_WEIGHT: q * q, PM.PARALLEL_3D_OUTPUT_X_WEIGHT: q * q},
     }.get(layout.mode, {}))
-    assert set(groups) == set(expected)
+    assert set(groups) == set(expected) | {PM.EMBEDDING}
     for mode, size in expected.items():
         assert all(len(g) == size for g in groups[mode]), mode
+    for g in groups[PM.PIPELINE]:  # first and last stage together, middle stages alone
+        assert tuple(sorted({g[0], g[-1]})) in groups[PM.EMBEDDING]
+        assert all((r,) in groups[PM.EMBEDDING] for r in g[1:-1])
 
 
 def _group_of(groups, rank):

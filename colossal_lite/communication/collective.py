@@ -45,6 +45,10 @@ class Pending:
         self._finish = finish
         self._result = None
 
+    def done(self) -> bool:
+        """Whether the operation finished (a later ``wait()`` returns at once)."""
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()

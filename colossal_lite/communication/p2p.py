@@ -14,23 +14,23 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def send(tensor: torch.Tensor, axis: AxisLike, dst: int, async_op: bool = False):
-    """Send to local rank ``dst`` of the group."""
+def send(tensor: torch.Tensor, axis: AxisLike, dst: int, async_op: bool = False, tag: int = 0):
+    """Send to local rank ``dst`` of the group (``tag`` tells apart messages between a pair)."""
     ax = resolve(axis)
     data = tensor.contiguous()
     record(ax.mode, 'send', _nbytes(data), ax.size)
-    work = dist.isend(data, ax.global_rank(dst), group=ax.group)
+    work = dist.isend(data, ax.global_rank(dst), group=ax.group, tag=tag)
     if async_op:
         return Pending(work, lambda: data)
     work.wait()
     return data
 
 
-def recv(buffer: torch.Tensor, axis: AxisLike, src: int, async_op: bool = False):
-    """Receive into ``buffer`` from local rank ``src`` of the group."""
+def recv(buffer: torch.Tensor, axis: AxisLike, src: int, async_op: bool = False, tag: int = 0):
+    """Receive into ``buffer`` from local rank ``src`` of the group (the send of the same tag)."""
     ax = resolve(axis)
     record(ax.mode, 'recv', _nbytes(buffer), ax.size)
-    work = dist.irecv(buffer, ax.global_rank(src), group=ax.group)
+    work = dist.irecv(buffer, ax.global_rank(src), group=ax.group, tag=tag)
     if async_op:
         return Pending(work, lambda: buffer)
     work.wait()

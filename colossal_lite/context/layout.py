@@ -74,7 +74,19 @@ def mode_axes(layout: ParallelLayout) -> Dict[ParallelMode, Tuple[str, ...]]:
 def build_groups(layout: ParallelLayout) -> Dict[ParallelMode, Groups]:
     """All groups of every mode the layout uses, as lists of global-rank tuples."""
     axes = axes_of(layout)
-    return {mode: groups_varying(axes, varying) for mode, varying in mode_axes(layout).items()}
+    groups = {mode: groups_varying(axes, varying) for mode, varying in mode_axes(layout).items()}
+    groups[ParallelMode.EMBEDDING] = embedding_groups(groups[ParallelMode.PIPELINE])
+    return groups
+
+
+def embedding_groups(pipeline_groups: Groups) -> Groups:
+    """The first and last rank of each pipeline group; every middle-stage rank alone (so each
+    rank is in one EMBEDDING group, of size 1 where it holds no tied weight)."""
+    out = []
+    for g in pipeline_groups:
+        out.append(tuple(sorted({g[0], g[-1]})))
+        out.extend((r,) for r in g[1:-1])
+    return out
 
 
 def coordinates(layout: ParallelLayout, rank: int) -> Dict[str, int]:

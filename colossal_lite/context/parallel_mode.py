@@ -14,6 +14,9 @@ class ParallelMode(Enum):
     DATA = 'data'
     PIPELINE = 'pipe'
     TENSOR = 'tensor'
+    # first and last pipeline stage of one pipeline group: sums the gradient of a weight
+    # both hold (GPT's token embedding tied to its LM head); one rank when pipeline == 1
+    EMBEDDING = 'embedding'
 
     # sequence parallelism: SEQUENCE is the tensor axis, SEQUENCE_DP = data x sequence
     SEQUENCE = 'sequence'

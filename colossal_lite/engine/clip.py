@@ -12,7 +12,9 @@ over. So, per rank:
   ``s_A = all_reduce_{A_k}( ... all_reduce_{A_1}(sum ||g_p||^2))``, one scalar
   all_reduce per group of the tuple.
 
-``norm = sqrt(s_rep + sum_A s_A)`` is then identical on every rank. Clipping
+``norm = sqrt(s_rep + sum_A s_A)`` is then identical on every rank of a pipeline stage;
+under pipeline parallelism each stage's share is summed over PIPELINE (a weight held by the
+first and the last stage -- EMBEDDING in its ``grad_sum`` -- counted on the first only). Clipping
 multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))`` (torch's rule).
 Call after the data-parallel gradient synchronization.
 """
@@ -24,7 +26,7 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 
 from ..communication import collective as C
-from ..context import global_context as gpc
+from ..context import ParallelMode, global_context as gpc
 from ..tensor import param_placement
 
 
@@ -43,7 +45,7 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
     replicated = torch.zeros((), dtype=torch.float32)
     sharded: Dict[Tuple[str, ...], Tuple[list, List[torch.Tensor]]] = {}
     for p in unique_parameters(parameters):
-        if p.grad is None:
+        if p.grad is None or _counted_on_another_stage(p):
             continue
         sq = p.grad.detach().float().pow(2).sum().cpu()
         modes = [mode for _, mode in param_placement(p).cuts]
@@ -59,7 +61,15 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
         for axis in axes:
             partial = C.all_reduce(partial, axis)
         total = total + partial.cpu()
+    if gpc.get_world_size(ParallelMode.PIPELINE) > 1:  # every stage's share
+        total = C.all_reduce(total.reshape(1).to(gpc.device), ParallelMode.PIPELINE).cpu()
     return math.sqrt(total.item())
+
+
+def _counted_on_another_stage(p: torch.Tensor) -> bool:
+    """A weight held by the first and the last pipeline stage counts on the first only."""
+    return (ParallelMode.EMBEDDING in param_placement(p).grad_sum
+            and gpc.get_local_rank(ParallelMode.EMBEDDING) != 0)
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float:

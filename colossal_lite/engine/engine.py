@@ -169,6 +169,14 @@ class Engine:
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
+    def count_schedule_microbatches(self):
+        """Record a whole step's M micro-steps run by a schedule that drove backward itself
+        (the pipeline runtime); ``step()`` may follow."""
+        if self._micro_step:
+            raise RuntimeError(f'{self._micro_step} backward call(s) were made before the '
+                               f'schedule ran; call engine.step() first')
+        self._micro_step = self._num_microbatches
+
     def step(self) -> bool:
         """Apply the update at the end of the cycle of M micro-steps; True when this call
         did (the update may still be skipped for overflow: see ``engine.overflow``)."""
@@ -180,6 +188,7 @@ class Engine:
             return False
         if self.gradient_handler is not None:
             self.gradient_handler.synchronize()
+        self.schedule.synchronize_gradients(self)
         self.overflow = self.amp.unscale()
         if not self.overflow:
             if self.clip_grad_norm > 0:

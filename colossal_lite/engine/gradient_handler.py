@@ -103,6 +103,8 @@ class GradientReducer:
     and keep ``grad = None``.
     """
 
+    sums_tied_stages = False  # the pipeline schedule sums EMBEDDING after this handler
+
     def __init__(self, parameters: Iterable[torch.nn.Parameter],
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
         self.axis = data_parallel_axis()

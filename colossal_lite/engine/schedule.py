@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, List, Tuple
 import torch
 
 from ..context import global_context as gpc
+from ..tensor.placement import placement_of, set_placement
 
 
 def _rebuild(obj, items):
@@ -50,8 +51,27 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return _map(lambda t: t.to(device, non_blocking=True), obj)
 
 
+def _detach(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()`` that keeps its placement (logits stay gatherable)."""
+    out = t.detach()
+    placement = placement_of(t)
+    return set_placement(out, placement) if placement is not None else out
+
+
 def detached(obj: Any) -> Any:
-    return _map(torch.Tensor.detach, obj)
+    return _map(_detach, obj)
+
+
+def _cat(parts: List[torch.Tensor]) -> torch.Tensor:
+    """Micro-batch outputs joined along dim 0, keeping their placement when none of them is
+    cut along dim 0 (local rows of batch-cut shards would interleave in the wrong order)."""
+    out = torch.cat(parts, dim=0)
+    placements = [placement_of(p) for p in parts]
+    if all(pl is not None and not pl.cut_modes(0) for pl in placements):
+        shape = list(placements[0].shape)
+        shape[0] = sum(pl.shape[0] for pl in placements)
+        set_placement(out, placements[0].with_shape(shape))
+    return out
 
 
 def split_batch(batch: Any) -> Tuple[Any, Any]:
@@ -102,7 +122,7 @@ def concat(parts: list) -> Any:
     if len(parts) == 1:
         return last
     if torch.is_tensor(last):
-        return torch.cat(parts, dim=0) if last.dim() > 0 else last
+        return _cat(parts) if last.dim() > 0 else last
     if isinstance(last, (tuple, list)):
         return _rebuild(last, [concat([p[i] for p in parts]) for i in range(len(last))])
     if isinstance(last, dict):
@@ -128,6 +148,9 @@ def micro_batches(data: Any, num: int) -> List[Tuple[Any, Any]]:
 
 class NonPipelineSchedule:
     """Every micro-batch of a step, one after the other, on the whole model of this rank."""
+
+    def synchronize_gradients(self, engine):
+        """Gradient sums the schedule owes besides the data-parallel one (none here)."""
 
     def run(self, engine, data: Any, num_microbatches: int, forward_only: bool = False,
             return_loss: bool = True, return_output: bool = False):

@@ -112,12 +112,17 @@ class AccuracyHook(BaseHook):
         self._counts = [0.0, 0.0]
 
     def after_test_iter(self, trainer, output, label, loss):
+        if output is None:  # a pipeline stage before the last: no logits here
+            return
         correct, counted = self.accuracy_fn(output, label)
         self._counts[0] += correct
         self._counts[1] += counted
 
     def after_test(self, trainer):
-        correct, counted = _data_sum(self._counts).tolist()
+        counts = _data_sum(self._counts)
+        if gpc.get_world_size(ParallelMode.PIPELINE) > 1:  # only the last stage counted
+            counts = C.all_reduce(counts.to(gpc.device), ParallelMode.PIPELINE).cpu()
+        correct, counted = counts.tolist()
         trainer.metrics['test_accuracy'] = correct / max(counted, 1.0)
 
 
@@ -145,10 +150,18 @@ class LRSchedulerHook(BaseHook):
 
 
 def full_parameter_count(model: torch.nn.Module) -> int:
-    """Parameters of the serial model (full shapes from the placements), tied ones once."""
+    """Parameters of the serial model (full shapes from the placements), tied ones once --
+    summed over the pipeline stages (a weight held by the first and last stage counted on
+    the first). One PIPELINE all_reduce when pipelined."""
     total = 0
     for p in model.parameters():
+        if ParallelMode.EMBEDDING in param_placement(p).grad_sum \
+                and gpc.get_local_rank(ParallelMode.EMBEDDING) != 0:
+            continue
         total += math.prod(param_placement(p).shape)
+    if gpc.get_world_size(ParallelMode.PIPELINE) > 1:
+        total = int(C.all_reduce(torch.tensor([total], dtype=torch.float64, device=gpc.device),
+                                 ParallelMode.PIPELINE).item())
     return total
 
 

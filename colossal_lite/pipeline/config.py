@@ -1,0 +1,100 @@
+"""The pipeline section of a config, checked once into a frozen :class:`PipelineSettings`.
+
+Two spellings::
+
+    parallel = dict(pipeline=2, ...)                         # P stages, defaults below
+    parallel = dict(pipeline=dict(size=2, chunks=1, schedule='1f1b', partition='uniform'), ...)
+    num_microbatches = 4                                     # top level (alias: gradient_accumulation)
+
+``chunks`` (V) is the number of model chunks (virtual stages) per pipeline rank: only the
+``interleaved`` schedule runs V > 1. ``partition`` says how the layers are cut into P*V
+stages: ``uniform`` (equal numbers of blocks), ``parameters`` (balanced parameter counts,
+embeddings on the first stage and heads on the last counted) or ``cost`` (balanced measured
+forward+backward time per layer). What needs the model (more stages than layers) is checked
+where the model is known (the CLI's meta build and the model's constructor).
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+SCHEDULES = ('1f1b', 'gpipe', 'interleaved', 'zero_bubble')
+PARTITIONS = ('uniform', 'parameters', 'cost')
+_KEYS = {'size', 'chunks', 'schedule', 'partition'}
+
+
+def _config_error(message: str):
+    from ..config import ConfigError
+    return ConfigError(message)
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise _config_error(f"'{key}' must be a positive integer, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """P = ``size`` ranks, V = ``chunks`` stages per rank, M = ``num_microbatches``."""
+
+    size: int = 1
+    chunks: int = 1
+    schedule: str = '1f1b'
+    partition: str = 'uniform'
+    num_microbatches: int = 1
+
+    @property
+    def stages(self) -> int:
+        """S = P * V: the number of pieces the model is cut into."""
+        return self.size * self.chunks
+
+
+def parse_pipeline(config: Mapping) -> PipelineSettings:
+    """The pipeline settings of a whole config (``parallel.pipeline`` and ``num_microbatches``
+    or its alias ``gradient_accumulation``); every impossible value is a ConfigError."""
+    parallel = config.get('parallel') or {}
+    raw = parallel.get('pipeline', 1) if isinstance(parallel, Mapping) else 1
+    if isinstance(raw, Mapping):
+        unknown = set(raw) - _KEYS
+        if unknown:
+            from ..config import _suggest
+            key = sorted(unknown)[0]
+            raise _config_error(f"unknown config key 'parallel.pipeline.{key}'"
+                                f"{_suggest(key, _KEYS)}")
+        size = _positive_int(raw.get('size', 1), 'parallel.pipeline.size')
+        chunks = _positive_int(raw.get('chunks', 1), 'parallel.pipeline.chunks')
+        schedule = raw.get('schedule', 'interleaved' if chunks > 1 else '1f1b')
+        partition = raw.get('partition', 'uniform')
+    else:
+        size = _positive_int(raw, 'parallel.pipeline')
+        chunks, schedule, partition = 1, '1f1b', 'uniform'
+    if schedule not in SCHEDULES:
+        raise _config_error(f"'parallel.pipeline.schedule' must be one of {list(SCHEDULES)}, "
+                            f"got {schedule!r}")
+    if partition not in PARTITIONS:
+        raise _config_error(f"'parallel.pipeline.partition' must be one of {list(PARTITIONS)}, "
+                            f"got {partition!r}")
+    micro = _microbatches(config)
+    if chunks > 1 and schedule != 'interleaved':
+        raise _config_error(f"'parallel.pipeline.chunks' = {chunks} needs schedule "
+                            f"'interleaved' (schedule {schedule!r} runs one stage per rank)")
+    if size > 1:
+        if schedule in ('1f1b', 'interleaved', 'zero_bubble') and micro < size:
+            raise _config_error(f"pipeline schedule {schedule!r} needs num_microbatches >= "
+                                f"pipeline size {size}, got num_microbatches = {micro}")
+        if schedule == 'interleaved' and micro % size:
+            raise _config_error(f"the interleaved schedule needs num_microbatches divisible by "
+                                f"the pipeline size {size}, got num_microbatches = {micro}")
+    return PipelineSettings(size, chunks, schedule, partition, micro)
+
+
+def _microbatches(config: Mapping) -> int:
+    given = {key: _positive_int(config[key], key)
+             for key in ('num_microbatches', 'gradient_accumulation') if config.get(key) is not None}
+    if len(set(given.values())) > 1:
+        raise _config_error(f"'num_microbatches' = {given['num_microbatches']} and its alias "
+                            f"'gradient_accumulation' = {given['gradient_accumulation']} differ; "
+                            f"give one")
+    return next(iter(given.values()), 1)
