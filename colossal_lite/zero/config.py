@@ -1,0 +1,113 @@
+"""The ``zero`` config section as a frozen :class:`ZeroSettings`.
+
+``zero=dict(stage=1|2|3, ...)``; keys by stage:
+
+* every stage: ``stage`` (required: 1, 2 or 3);
+* stages 1 and 2 (low-level ZeRO, ``zero/low_level.py``): ``bucket_mb`` (positive
+  number, default 25: size of one flat gradient bucket), ``overlap`` (bool, default
+  True: reduce-scatter buckets from autograd hooks while backward goes on),
+  ``offload_optimizer`` (bool, default False: fp32 master slice and Adam moments on
+  the CPU);
+* stage 3 (chunk ZeRO, not built yet): ``placement`` ('device', 'cpu', 'static',
+  'auto'; default 'device'), ``device_memory_limit`` (positive number of bytes, or
+  None for the free device memory), ``chunk_size_mb`` (positive number, or None to
+  search), ``device_fraction`` (0 < f <= 1, the share of chunks kept on the device;
+  only with ``placement='static'``).
+
+A key of the other family of stages is an error (it would silently do nothing).
+Every bad value raises :class:`~colossal_lite.config.ConfigError` naming the key and
+the value, before any process group or collective.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from ..config import ConfigError, _check_keys, _positive_finite
+
+STAGES = (1, 2, 3)
+PLACEMENTS = ('device', 'cpu', 'static', 'auto')
+LOW_LEVEL_KEYS = ('bucket_mb', 'overlap', 'offload_optimizer')
+CHUNK_KEYS = ('placement', 'device_memory_limit', 'chunk_size_mb', 'device_fraction')
+KEYS = ('stage',) + LOW_LEVEL_KEYS + CHUNK_KEYS
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    stage: int
+    bucket_mb: float = 25.0
+    overlap: bool = True
+    offload_optimizer: bool = False
+    placement: str = 'device'
+    device_memory_limit: Optional[float] = None
+    chunk_size_mb: Optional[float] = None
+    device_fraction: float = 1.0
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 1024 * 1024))
+
+
+def _bool(section: Mapping, key: str, default: bool) -> bool:
+    value = section.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"'zero.{key}' must be True or False, got {value!r}")
+    return value
+
+
+def _positive(section: Mapping, key: str, default, allow_none: bool = False):
+    value = section.get(key, default)
+    if value is None and allow_none:
+        return None
+    if not _positive_finite(value):
+        raise ConfigError(f"'zero.{key}' must be a positive finite number"
+                          f"{' or None' if allow_none else ''}, got {value!r}")
+    return float(value)
+
+
+def _stage(section: Mapping) -> int:
+    if 'stage' not in section:
+        raise ConfigError(f"'zero' needs 'zero.stage' (one of {list(STAGES)}), got keys "
+                          f"{sorted(section)}")
+    stage = section['stage']
+    if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage not in STAGES:
+        raise ConfigError(f"'zero.stage' must be one of {list(STAGES)}, got {stage!r}")
+    return int(stage)
+
+
+def _reject_other_family(section: Mapping, stage: int):
+    foreign = CHUNK_KEYS if stage < 3 else LOW_LEVEL_KEYS
+    for key in foreign:
+        if key in section:
+            applies = 'stage 3 (chunk ZeRO)' if stage < 3 else 'stages 1 and 2'
+            raise ConfigError(f"'zero.{key}' = {section[key]!r} applies only to {applies}, "
+                              f"but 'zero.stage' = {stage}")
+
+
+def parse_zero(section: Optional[Mapping]) -> Optional[ZeroSettings]:
+    """The validated ``zero`` section (None when the section is None)."""
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"'zero' must be a dict like dict(stage=2), got {section!r}")
+    _check_keys(section, KEYS, 'zero.')
+    stage = _stage(section)
+    _reject_other_family(section, stage)
+    if stage < 3:
+        return ZeroSettings(stage=stage, bucket_mb=_positive(section, 'bucket_mb', 25.0),
+                            overlap=_bool(section, 'overlap', True),
+                            offload_optimizer=_bool(section, 'offload_optimizer', False))
+    placement = section.get('placement', 'device')
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"'zero.placement' must be one of {list(PLACEMENTS)}, got {placement!r}")
+    fraction = section.get('device_fraction', 1.0)
+    if 'device_fraction' in section and placement != 'static':
+        raise ConfigError(f"'zero.device_fraction' = {fraction!r} applies only to "
+                          f"placement 'static', got placement {placement!r}")
+    if not (_positive_finite(fraction) and fraction <= 1):
+        raise ConfigError(f"'zero.device_fraction' must be in (0, 1], got {fraction!r}")
+    return ZeroSettings(stage=3, placement=placement,
+                        device_memory_limit=_positive(section, 'device_memory_limit', None, True),
+                        chunk_size_mb=_positive(section, 'chunk_size_mb', None, True),
+                        device_fraction=float(fraction))
