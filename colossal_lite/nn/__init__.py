@@ -3,7 +3,8 @@ from .layers import (AttentionCore, Classifier, CrossEntropyLoss, Dropout, Embed
                      Linear, PatchEmbedding, VocabParallelClassifier, VocabParallelEmbedding,
                      gather_logits, first_token)
 from .registry import implementation, register
+from . import optimizer
 
 __all__ = ['AttentionCore', 'Classifier', 'CrossEntropyLoss', 'Dropout', 'Embedding', 'LayerNorm',
            'Linear', 'PatchEmbedding', 'VocabParallelClassifier', 'VocabParallelEmbedding',
-           'gather_logits', 'first_token', 'implementation', 'register']
+           'gather_logits', 'first_token', 'implementation', 'register', 'optimizer']
