@@ -117,8 +117,11 @@ def _diff(actual, expected, where: str) -> float:
 def _worst_copy(traces: List[Trace], step: int, key: str, expected) -> Tuple[float, int]:
     """(largest difference from ``expected`` over the ranks holding ``key``, the first
     rank with it)."""
-    worst = (-1.0, -1)
+    worst, seen = (-1.0, -1), []
     for rank, got in _held(traces, step, key):
+        if any(torch.equal(got, other) for other in seen):
+            continue   # a bitwise copy of a value already compared (replicas)
+        seen.append(got)
         diff = _diff(got, expected, f'step {step} {key} (rank {rank})')
         if diff > worst[0]:
             worst = (diff, rank)
