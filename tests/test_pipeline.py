@@ -124,23 +124,28 @@ def _pipeline_bytes(rank):
     case = make_case('gpt', batch=8, seq=16)
     model = case.build(layers=2, dropout=0.0, hidden=32)
     engine, *_ = clt.initialize(model, make_optimizer(model.parameters()), case.criterion())
-    with comm_profile() as stats:
-        engine.execute_schedule(case.batch)
-    engine.step()
-    return stats.bytes(mode=ParallelMode.PIPELINE, op='send'), stats.bytes(
-        mode=ParallelMode.PARALLEL_1D, op='all_gather')
+    counts = []
+    for _ in range(2):
+        engine.zero_grad()
+        with comm_profile() as stats:
+            engine.execute_schedule(case.batch)
+        engine.step()
+        counts.append((stats.bytes(mode=ParallelMode.PIPELINE, op='send'),
+                       stats.bytes(mode=ParallelMode.PARALLEL_1D, op='all_gather')))
+    return counts
 
 
 def test_1d_stages_send_a_slice_and_all_gather():
     """Per micro-batch [2, 16, 32] fp32 activation and gradient: each of t=2 ranks sends
-    half (plus a 64-byte header), the receiving stage all-gathers the halves."""
+    half, the receiving stage all-gathers the halves. A 64-byte shape header goes with the
+    first message of a shape only (the first step)."""
     act = 2 * 16 * 32 * 4
     result = run_distributed(_pipeline_bytes, 4, _config(dict(size=2),
                                                          tensor=dict(size=2, mode='1d')))
-    for sent, gathered in result:
+    for (first_sent, first_gathered), (sent, gathered) in result:
         # stage 0 sends activations, stage 1 sends gradients: M messages each way
-        assert sent == M * (act // 2 + 64)
-        assert gathered >= M * act // 2
+        assert first_sent == M * act // 2 + 64 and sent == M * act // 2
+        assert gathered == first_gathered and gathered >= M * act // 2
 
 
 # ------------------------------------------------------------------ errors
@@ -381,3 +386,36 @@ def test_cli_pipeline_job_prints_the_serial_losses(tmp_path):
                                          "mode='1d'))\nnum_microbatches = 4\n", 4)
     assert len(serial) == 3 and losses == pytest.approx(serial, abs=1e-4)
     assert 'PIPELINE:' in out and 'EMBEDDING:' in out
+
+
+@pytest.mark.parametrize('schedule, chunks', [('gpipe', 1), ('1f1b', 1), ('interleaved', 2),
+                                              ('zero_bubble', 1)])
+def test_sent_buffers_are_released_once_received(schedule, chunks):
+    """A send is released after the first receive from the same peer that the peer sent after
+    taking ours in: with M = 32 micro-batches, 1F1B-like schedules keep O(P) sends alive per
+    rank, not O(M) (GPipe's forward sends wait for their gradients, as its memory does)."""
+    from colossal_lite.pipeline import PipeShape, build_schedule
+    from colossal_lite.pipeline.p2p import message_key, release_points
+    P, Mb = 4, 32
+    shape = PipeShape(P, chunks, Mb)
+    lists = build_schedule(schedule, P, Mb, chunks)
+    recv_at = {q: {message_key(a): i for i, a in enumerate(acts) if a.kind.startswith('RECV')}
+               for q, acts in lists.items()}
+    send_at = {q: {message_key(a): i for i, a in enumerate(acts) if a.kind.startswith('SEND')}
+               for q, acts in lists.items()}
+    for rank, acts in lists.items():
+        releases = release_points(shape, lists, rank)
+        alive, peak = set(), 0
+        for i, a in enumerate(acts):
+            if a.kind.startswith('SEND'):
+                alive.add(message_key(a))
+            for key in releases.get(i, ()):
+                # proof of receipt: the receive at i carries a message its sender sent after
+                # taking in ours
+                peer = shape.rank_of(key[1])
+                got = message_key(acts[i])
+                assert send_at[peer][got] > recv_at[peer][key]
+                alive.remove(key)
+            peak = max(peak, len(alive))
+        limit = 2 * Mb if schedule == 'gpipe' else 4 * P * chunks
+        assert peak <= limit, (rank, peak)

@@ -35,20 +35,21 @@ from ..context import ParallelMode, current_context
 from ..engine.schedule import concat, detached, micro_batches, to_device
 from ..tensor.placement import param_placement
 from .config import PipelineSettings
-from .p2p import BACKWARD, FORWARD, StageLink
+from .p2p import (BACKWARD, FORWARD, StageLink, input_signature, message_key,
+                  release_points)
 from .split_backward import SplitBackward
 from .schedules import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, PipeShape,
                         build_schedule, lower)
 
 
-def forward_only_actions(shape: PipeShape, rank: int) -> List[Action]:
+def forward_only_actions(shape: PipeShape) -> Dict[int, List[Action]]:
     """Forwards only, each rank in (micro-batch, stage) order: a topological order of the
     forward dependencies on every rank, hence deadlock-free (checked by the simulator)."""
     orders = {r: [Action(F, s, m) for m in range(shape.microbatches) for s in shape.stages_of(r)]
               for r in range(shape.ranks)}
     lowered = lower(shape, orders)
     simulate_forward(shape, lowered)
-    return lowered[rank]
+    return lowered
 
 
 def simulate_forward(shape: PipeShape, lowered):
@@ -81,19 +82,22 @@ class PipelineSchedule:
         if self.size != settings.size:
             raise ValueError(f'pipeline settings say size {settings.size}, the launched '
                              f'PIPELINE group has {self.size} ranks')
-        self._actions: Dict[Tuple[int, bool], List[Action]] = {}
+        self._actions: Dict[Tuple[int, bool], Tuple[List[Action], Dict]] = {}
+        self.link = StageLink(settings.stages)
         self.record_timeline = False  # set True to keep the last step's action timings
         self.timeline: List[Tuple[Action, float, float]] = []
 
-    def actions(self, microbatches: int, forward_only: bool) -> List[Action]:
+    def actions(self, microbatches: int, forward_only: bool) -> Tuple[List[Action], Dict]:
+        """This rank's action list and its send-release points (``p2p.release_points``)."""
         key = (microbatches, forward_only)
         if key not in self._actions:
             shape = PipeShape(self.size, self.settings.chunks, microbatches)
             if forward_only:
-                self._actions[key] = forward_only_actions(shape, self.rank)
+                lists = forward_only_actions(shape)
             else:
-                self._actions[key] = build_schedule(self.settings.schedule, self.size,
-                                                    microbatches, self.settings.chunks)[self.rank]
+                lists = build_schedule(self.settings.schedule, self.size, microbatches,
+                                       self.settings.chunks)
+            self._actions[key] = (lists[self.rank], release_points(shape, lists, self.rank))
         return self._actions[key]
 
     # ------------------------------------------------------------------ the step
@@ -110,17 +114,20 @@ class PipelineSchedule:
         micro = [to_device(mb, current_context().device)
                  for mb in micro_batches(data, num_microbatches)]
         run = _StepRun(engine, micro, self.settings.stages, forward_only, return_output,
-                       split=self.settings.schedule == 'zero_bubble')
+                       split=self.settings.schedule == 'zero_bubble', link=self.link)
         if not forward_only and engine.gradient_handler is not None:
             engine.gradient_handler.prepare(sync=False)  # synced in engine.step()
         timeline = [] if self.record_timeline else None
         with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
-            for action in self.actions(num_microbatches, forward_only):
+            actions, releases = self.actions(num_microbatches, forward_only)
+            for index, action in enumerate(actions):
                 start = time.perf_counter()
                 run.execute(action)
+                if index in releases:
+                    self.link.release(releases[index])
                 if timeline is not None:
                     timeline.append((action, start, time.perf_counter()))
-        run.link.wait_sends()
+        self.link.wait_sends()
         if timeline is not None:
             self.timeline = timeline
         if not forward_only:
@@ -155,11 +162,12 @@ class _StepRun:
     """The tensors of one step in flight on this rank, keyed by (stage, micro-batch)."""
 
     def __init__(self, engine, micro, stages: int, forward_only: bool, return_output: bool,
-                 split: bool):
-        self.engine, self.micro, self.split = engine, micro, split
+                 split: bool, link: StageLink):
+        self.engine, self.micro, self.split, self.link = engine, micro, split, link
+        self.signatures = [input_signature(inputs) for inputs, _ in micro]
+        self.first = [self.signatures.index(sig) for sig in self.signatures]
         self.last = stages - 1
         self.forward_only, self.return_output = forward_only, return_output
-        self.link = StageLink(stages, len(micro))
         self.received: Dict[Tuple[int, int, int], torch.Tensor] = {}
         self.inputs: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}
         self.targets: Dict[Tuple[int, int], Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
@@ -170,17 +178,18 @@ class _StepRun:
         self.params = [p for p in engine.model.parameters() if p.requires_grad]
 
     def execute(self, a: Action):
-        key = (a.stage, a.microbatch)
+        key, m = (a.stage, a.microbatch), a.microbatch
+        message = (self.signatures[m], self.first[m])
         if a.kind == RECV_F:
-            self.received[(FORWARD,) + key] = self.link.recv(FORWARD, *key)
+            self.received[(FORWARD,) + key] = self.link.recv(message_key(a), *message)
         elif a.kind == RECV_B:
-            self.received[(BACKWARD,) + key] = self.link.recv(BACKWARD, *key)
+            self.received[(BACKWARD,) + key] = self.link.recv(message_key(a), *message)
         elif a.kind == SEND_F:
-            self.link.send(self.targets[key][0], FORWARD, *key)
+            self.link.send(self.targets[key][0], message_key(a), *message)
             if self.forward_only:
                 del self.targets[key]
         elif a.kind == SEND_B:
-            self.link.send(self.input_grads.pop(key), BACKWARD, *key)
+            self.link.send(self.input_grads.pop(key), message_key(a), *message)
         elif a.kind == F:
             self.forward(*key)
         elif a.kind == B:
