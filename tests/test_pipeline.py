@@ -70,6 +70,15 @@ def test_pipeline_with_2d_tensor_parallel():
     _check(8, 'gpt', dict(size=2, schedule='interleaved', chunks=2), tensor=dict(size=4, mode='2d'))
 
 
+def test_pipeline_with_2p5d_tensor_parallel():
+    _check(8, 'gpt', dict(size=2), tensor=dict(size=4, mode='2.5d', depth=1))
+
+
+def test_pipeline_with_3d_tensor_parallel():
+    """16 ranks: 2 stages of a 2 x 2 x 2 cube (each micro-batch of 4 rows cut 4 ways)."""
+    _check(16, 'gpt', dict(size=2), tensor=dict(size=8, mode='3d'), case_kw=dict(batch=16))
+
+
 def test_pipeline_data_and_1d_tensor_parallel():
     _check(8, 'gpt', dict(size=2, schedule='zero_bubble'), tensor=dict(size=2, mode='1d'))
 
