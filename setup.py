@@ -28,8 +28,10 @@ def cpu_adam_extension():
 EXT_MODULES, CMDCLASS = cpu_adam_extension()
 
 EXTRAS = {
-    'test': ['pytest>=7', 'pytest-timeout>=2', 'scikit-learn>=1.3', 'transformers>=4.40'],
-    'hf': ['transformers>=4.40', 'tokenizers>=0.15'],
+    'test': ['pytest>=7', 'pytest-timeout>=2', 'scikit-learn>=1.3', 'transformers>=4.40',
+             'datasets>=2.14', 'tokenizers>=0.15'],
+    # data=dict(type='hf', ...): your own text through datasets + tokenizers
+    'hf': ['transformers>=4.40', 'datasets>=2.14', 'tokenizers>=0.15'],
     'dev': ['matplotlib>=3.7', 'tqdm>=4.60', 'scikit-learn>=1.3'],
 }
 EXTRAS['all'] = sorted({dep for deps in EXTRAS.values() for dep in deps})

@@ -1,8 +1,8 @@
-"""The ``colossal-lite`` command: ``colossal-lite train CONFIG [--nproc N] [--steps S]``.
+"""The colossal-lite command: colossal-lite train CONFIG [--nproc N] [--steps S].
 
 ``train`` checks the config, that N processes fit its parallel layout and that the
-model splits over it (a build on the meta device) in the calling process, then starts N local workers through torch's elastic
-launcher -- the code path of ``torchrun --standalone --nproc-per-node N`` -- with
+model splits over it (a build on the meta device) in the calling process, prepares the
+data, then starts N local workers through torch's elastic launcher -- the code path of ``torchrun --standalone --nproc-per-node N`` -- with
 gloo on CPU and ``OMP_NUM_THREADS=1`` per worker. Each worker calls
 ``launch_from_torch(config)`` and trains the job of the config's ``model``,
 ``data``, ``train``, ``optimizer`` and ``lr_scheduler`` sections (see
@@ -11,14 +11,15 @@ loss every ``train.log_every`` steps, then tokens/s (or samples/s), peak memory
 per rank, bytes communicated per ParallelMode and a summary line.
 
 When a worker raises, the launcher stops all the others and the command exits
-with status 1 and a message naming the rank and its exception; Ctrl-C stops
-every worker and exits with status 130. Without installing the package:
+with status 1, one line per failed rank (a rank killed by a signal first, then the
+rank that raised first) and that rank's traceback once; Ctrl-C stops every worker and
+exits with status 130. At the end rank 0 writes ``metrics.jsonl`` and ``loss.png``
+(with matplotlib) into ``train.run_dir``. Without installing the package:
 ``python -m colossal_lite.cli train CONFIG``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -29,7 +30,13 @@ from .config import ConfigError, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog='colossal-lite', description=__doc__.split('\n')[0])
+    from . import __version__
+    parser = argparse.ArgumentParser(
+        prog='colossal-lite', description='Train a config\'s model on N local processes '
+        '(data, pipeline, tensor and sequence parallel, ZeRO) and report loss, throughput, '
+        'memory and communication.',
+        epilog='example: colossal-lite train configs/gpt_dp2_tp2.py --nproc 4')
+    parser.add_argument('--version', action='version', version=f'colossal-lite {__version__}')
     sub = parser.add_subparsers(dest='command', required=True)
     train = sub.add_parser('train', help='train the model a config file describes')
     train.add_argument('config', help='a .py config file (see configs/)')
@@ -43,58 +50,33 @@ def check_job(config_path: str, nproc: int, steps: Optional[int]):
     """Every check that can fail before a process starts: the config's typed sections
     (``load_config``), the layout vs ``nproc``, the job, and the job vs the layout
     (``job.check_layout``: divisibility of every split size and a build of the model on the
-    meta device for the layout). Returns ``(cfg, layout, spec)``."""
-    from .job import check_layout
+    meta device for the layout), the directories the run writes (``job.check_paths``) and
+    the data (``job.prepare_data``: for ``hf`` the tokenizer and the packed blocks, made
+    here once). Returns ``(cfg, layout, spec)``."""
+    from .job import check_layout, check_paths, prepare_data
     if nproc < 1:
         raise ConfigError(f'--nproc must be a positive integer, got {nproc}')
     settings = load_config(config_path).settings
-    layout = settings.layout.with_world_size(nproc)
+    layout = _with_nproc(settings.layout, nproc)
     spec = settings.job.with_steps(steps)
-    check_layout(spec, layout, settings.pipeline.stages, settings.pipeline.num_microbatches)
+    microbatches = settings.pipeline.num_microbatches
+    check_layout(spec, layout, settings.pipeline.stages, microbatches)
     from .zero.low_level import check_zero
     check_zero(settings.source)  # NotImplementedError for what ZeRO does not run yet
+    check_paths(spec)
+    prepare_data(spec, microbatches)
     return settings.source, layout, spec
 
 
-def _error_files(err) -> List[tuple]:
-    """(mtime, local rank, message, traceback) of every error file the failed run left, oldest first.
-
-    The launcher reports only the first failure it polls, which may be a rank that died
-    because another rank's crash closed its connections; every worker records its own
-    exception in ``<attempt dir>/<local rank>/error.json``, so read them all."""
-    found, dirs = [], set()
-    for failure in err.failures.values():
-        if failure.error_file and os.path.isfile(failure.error_file):
-            dirs.add(os.path.dirname(os.path.dirname(failure.error_file)))
-    for attempt in dirs:
-        for name in os.listdir(attempt):
-            path = os.path.join(attempt, name, 'error.json')
-            if not (name.isdigit() and os.path.isfile(path)):
-                continue
-            try:
-                with open(path) as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                continue
-            info = data.get('message', data)
-            message = info.get('message', '') if isinstance(info, dict) else str(info)
-            stack = info.get('extraInfo', {}).get('py_callstack', '') if isinstance(info, dict) else ''
-            found.append((os.path.getmtime(path), int(name), message.strip(), stack))
-    return sorted(found)
-
-
-def _failure_message(err) -> str:
-    """'rank R failed first: <exception>' with its traceback, then the ranks that failed after."""
-    found = _error_files(err)
-    if not found:
-        found = [(0, f.local_rank, f'exit code {f.exitcode}', '') for f in err.failures.values()]
-    _, rank, message, stack = found[0]
-    lines = [f'rank {rank} failed first: {message.splitlines()[0] if message else "?"}']
-    for _, other, text, _ in found[1:]:
-        lines.append(f'  then rank {other}: {text.splitlines()[0] if text else "?"}')
-    if stack:
-        lines.append(f'traceback of rank {rank}:\n{stack.rstrip()}')
-    return '\n'.join(lines)
+def _with_nproc(layout, nproc: int):
+    """``layout.with_world_size(nproc)``; its error suggests the ``--nproc`` that fits."""
+    try:
+        return layout.with_world_size(nproc)
+    except ConfigError as err:
+        need = layout.pipeline * layout.tensor * (layout.data or 1)
+        if layout.data is None:
+            need *= max(1, round(nproc / need))
+        raise ConfigError(f'{err}: run with --nproc {need}') from None
 
 
 def start_method() -> str:
@@ -130,11 +112,14 @@ def train_command(args, entrypoint=None) -> int:
           f'pipeline={layout.pipeline} tensor={layout.tensor} ({layout.mode or "none"})', flush=True)
     if entrypoint is None:
         from .worker import worker_main as entrypoint
+    from .failures import FirstExit, failure_message, run_worker
     try:
-        elastic_launch(launch_config, entrypoint)(os.path.abspath(args.config), args.steps)
+        with FirstExit() as first_exit:
+            elastic_launch(launch_config, run_worker)(entrypoint, os.path.abspath(args.config),
+                                                      args.steps)
     except ChildFailedError as err:
         print(f'colossal-lite: training stopped, every process was ended:\n'
-              f'{_failure_message(err)}', file=sys.stderr)
+              f'{failure_message(err, first_exit)}', file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SignalException) as exc:
         print(f'colossal-lite: interrupted ({exc}); every process was ended', file=sys.stderr)

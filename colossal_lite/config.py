@@ -282,6 +282,10 @@ def _read_config_file(path: str, chain: tuple = ()) -> dict:
     if not path.endswith('.py'):
         raise ConfigError(f"a config file must be a .py file, got '{path}'")
     if not os.path.isfile(path):
+        if chain:  # a copied config whose base stayed behind
+            raise ConfigError(f"config file not found: '{path}', the _base_ of '{chain[-1]}' "
+                              f"(_base_ paths are relative to the file that names them: copy "
+                              f"the base too, or give its full path)")
         raise ConfigError(f"config file not found: '{path}'")
     if os.path.abspath(path) in chain:
         raise ConfigError(f"config files include each other in a loop: {' -> '.join(chain + (path,))}")

@@ -9,17 +9,24 @@ Sections (every key optional except ``model.type`` and ``data.type``)::
     imports = ['my_models']                      # modules that register models (optional)
     model = dict(type=NAME, preset='tiny', **options)   # NAME registered in colossal_lite.models
     data = dict(type='shakespeare', seq_len=64, val_fraction=0.05, plays=None)
+         | dict(type='hf', path='text'|'json'|'parquet'|'csv'|SAVED_DIR, data_files=GLOBS,
+                split='train', text_column='text', seq_len=64, val_fraction=0.05,
+                tokenizer=dict(type='bpe', vocab_size=4096) | dict(type='file', path=FILE))
          | dict(type='digits', test_fraction=0.2)
     train = dict(global_batch_size=16, steps=None, epochs=1, log_every=10,
-                 eval_batches=None, shuffle_seed=0)
+                 eval_batches=None, shuffle_seed=0, run_dir=None)
     optimizer = dict(type='adamw' | 'adam' | 'sgd', lr=1e-3, weight_decay=0.0, ...)
     lr_scheduler = dict(type='cosine' | 'constant', warmup_steps=0, min_lr_ratio=0.1)
     checkpoint = dict(path='runs/model_{step}.pt', interval=100)  # full state dict, rank 0
     log = dict(tensorboard='runs/tb')                             # needs the tensorboard package
 
-A model trains on the data set it was registered with. ``shakespeare`` (byte tokens)
-needs ``vocab_size >= 256`` and ``seq_len <= max_positions`` when the model has these
-options; ``digits`` needs ``img_size=8, in_chans=1, num_classes=10`` when it has them.
+A model trains on the data set it was registered with; a model registered with
+``shakespeare`` (a language model) also trains on ``hf`` (your own text, ``data/hf.py``).
+``shakespeare`` (byte tokens) needs ``vocab_size >= 256`` and ``seq_len <= max_positions``
+when the model has these options; ``hf`` needs ``vocab_size`` >= the tokenizer's
+vocabulary (without a ``model.vocab_size`` it is set to that vocabulary rounded up to a
+multiple of 128). ``train.run_dir`` (default: the checkpoint's directory, else ``runs``)
+receives the trained tokenizer, ``metrics.jsonl`` and ``loss.png``. ``digits`` needs ``img_size=8, in_chans=1, num_classes=10`` when it has them.
 Every bad value raises :class:`~colossal_lite.config.ConfigError` naming the key and the value.
 """
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -35,11 +43,17 @@ import torch
 from .config import ConfigError, _check_keys
 from .models import ModelEntry, SizeRule, get_model, import_modules
 
-DATA_TYPES = ('shakespeare', 'digits')
+DATA_TYPES = ('shakespeare', 'digits')          # what a model is registered to train on
+TEXT_TYPES = ('shakespeare', 'hf')              # the data types of a 'shakespeare' model
 _DATA_KEYS = {'shakespeare': {'type', 'seq_len', 'val_fraction', 'plays'},
+              'hf': {'type', 'path', 'data_files', 'split', 'text_column', 'seq_len',
+                     'val_fraction', 'tokenizer', 'cache_dir'},
               'digits': {'type', 'test_fraction'}}
+_TOKENIZER_KEYS = {'bpe': {'type', 'vocab_size'}, 'file': {'type', 'path'}}
+VOCAB_MULTIPLE = 128
 _DIGITS_SHAPE = dict(img_size=8, in_chans=1, num_classes=10)
-_TRAIN_KEYS = {'global_batch_size', 'steps', 'epochs', 'log_every', 'eval_batches', 'shuffle_seed'}
+_TRAIN_KEYS = {'global_batch_size', 'steps', 'epochs', 'log_every', 'eval_batches', 'shuffle_seed',
+               'run_dir'}
 _OPTIMIZERS = {'adamw': {'lr', 'weight_decay', 'betas', 'eps'},
                'adam': {'lr', 'weight_decay', 'betas', 'eps'},
                'sgd': {'lr', 'weight_decay', 'momentum', 'nesterov'}}
@@ -73,6 +87,16 @@ class JobSpec:
     @property
     def data_type(self) -> str:
         return self.data['type']
+
+    @property
+    def is_text(self) -> bool:
+        """Whether samples are token sequences (throughput in tokens/s)."""
+        return self.data_type in TEXT_TYPES
+
+    @property
+    def run_dir(self) -> str:
+        """Where the trained tokenizer, ``metrics.jsonl`` and ``loss.png`` go."""
+        return self.train['run_dir']
 
     def with_steps(self, steps: Optional[int]) -> 'JobSpec':
         """This job with ``train.steps`` replaced (``--steps``); unchanged for None."""
@@ -148,8 +172,11 @@ def _parse_data(config: Mapping, kind: str, options: Mapping) -> Dict[str, Any]:
     if want not in DATA_TYPES:
         raise ConfigError(f"model type '{kind}' names no bundled data set to train on "
                           f"(registered with data={want!r}; one of {list(DATA_TYPES)} is needed)")
+    if want == 'shakespeare' and data.get('type') == 'hf':
+        return _parse_hf(config, data, options)
     if data.get('type') != want:
-        raise ConfigError(f"model type '{kind}' trains on data type '{want}', "
+        also = " (or 'hf', your own text)" if want == 'shakespeare' else ''
+        raise ConfigError(f"model type '{kind}' trains on data type '{want}'{also}, "
                           f"got 'data.type' = {data.get('type')!r}")
     _check_keys(data, _DATA_KEYS[want], 'data.')
     if want == 'shakespeare':
@@ -175,6 +202,45 @@ def _parse_data(config: Mapping, kind: str, options: Mapping) -> Dict[str, Any]:
     return data
 
 
+def _parse_hf(config: Mapping, data: Dict[str, Any], options: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``hf`` data section with defaults; sets ``options['vocab_size']`` from the tokenizer
+    when the ``model`` section does not give it (see the module doc)."""
+    from .data.hf import check_source, tokenizer_vocab
+    _check_keys(data, _DATA_KEYS['hf'], 'data.')
+    limit = options.get('max_positions', 1 << 20)
+    data['seq_len'] = _number(data, 'seq_len', 'data', 2, limit, True, min(64, limit))
+    data['val_fraction'] = _number(data, 'val_fraction', 'data', 1e-6, 0.5, default=0.05)
+    data.setdefault('split', 'train')
+    data.setdefault('text_column', 'text')
+    for key in ('split', 'text_column'):
+        if not isinstance(data[key], str):
+            raise ConfigError(f"'data.{key}' must be a string, got {data[key]!r}")
+    tok = data.get('tokenizer')
+    if not isinstance(tok, Mapping) or tok.get('type') not in _TOKENIZER_KEYS:
+        raise ConfigError(f"'data.tokenizer' must be dict(type='bpe', vocab_size=V) or "
+                          f"dict(type='file', path='tokenizer.json'), got {tok!r}")
+    tok = data['tokenizer'] = dict(tok)
+    _check_keys(tok, _TOKENIZER_KEYS[tok['type']], 'data.tokenizer.')
+    if tok['type'] == 'bpe':
+        tok['vocab_size'] = _number(tok, 'vocab_size', 'data.tokenizer', 260, 1 << 20, True, 4096)
+    elif not (isinstance(tok.get('path'), str) and os.path.isfile(tok['path'])):
+        raise ConfigError(f"'data.tokenizer.path' = {tok.get('path')!r} is not a file (relative "
+                          f"paths are taken from {os.getcwd()})")
+    try:
+        check_source(data)
+        vocab = tokenizer_vocab(data)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    given = config['model'].get('vocab_size')
+    if given is None and 'vocab_size' in options:
+        options['vocab_size'] = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    elif given is not None and given < vocab:
+        raise ConfigError(f"'model.vocab_size' = {given} is smaller than the tokenizer's "
+                          f"vocabulary of {vocab} ('data.tokenizer'); leave 'model.vocab_size' "
+                          f"out to take {-(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE}")
+    return data
+
+
 def _parse_train(config: Mapping) -> Dict[str, Any]:
     train = _section(config, 'train', required=False)
     _check_keys(train, _TRAIN_KEYS, 'train.')
@@ -184,6 +250,13 @@ def _parse_train(config: Mapping) -> Dict[str, Any]:
                log_every=_number(train, 'log_every', 'train', 1, 1 << 30, True, 10),
                eval_batches=_number(train, 'eval_batches', 'train', 1, 1 << 30, True),
                shuffle_seed=_number(train, 'shuffle_seed', 'train', 0, 1 << 62, True, 0))
+    run_dir = train.get('run_dir')
+    if run_dir is not None and not isinstance(run_dir, str):
+        raise ConfigError(f"'train.run_dir' must be a directory name, got {run_dir!r}")
+    ckpt = config.get('checkpoint')
+    if run_dir is None and isinstance(ckpt, Mapping) and isinstance(ckpt.get('path'), str):
+        run_dir = os.path.dirname(ckpt['path'])
+    out['run_dir'] = run_dir or 'runs'
     return out
 
 
@@ -278,6 +351,10 @@ def build_data(spec: JobSpec, device: Optional[torch.device] = None, microbatche
         seq_len = spec.data['seq_len']
         train, test = text_datasets(seq_len, spec.data['val_fraction'], spec.data.get('plays'))
         per_sample = seq_len
+    elif spec.data_type == 'hf':
+        from .data.hf import hf_datasets
+        train, test, _ = hf_datasets(spec.data, spec.run_dir)
+        per_sample = spec.data['seq_len']
     else:
         train, test = digits_datasets(spec.data['test_fraction'])
         per_sample = 1
@@ -349,7 +426,7 @@ def check_layout(spec: JobSpec, layout, stages: int = 1, microbatches: int = 1):
                           f"make 'train.global_batch_size' a multiple of "
                           f"{split * layout.data * microbatches}")
     rules = list(spec.entry.size_rules(spec.options))
-    if spec.data_type == 'shakespeare':
+    if spec.is_text:
         rules.append(SizeRule('data.seq_len', spec.data['seq_len'], 'sequence'))
     for rule in rules:
         _check_rule(rule, layout, fam)
@@ -390,3 +467,50 @@ def describe_model(spec: JobSpec, layout, rank: int = 0) -> torch.nn.Module:
     from .context import ParallelContext, use_context
     with use_context(ParallelContext.describe(layout, rank)), torch.device('meta'):
         return build_model(spec)
+
+
+# ---------------------------------------------------------------------------- before the start
+def check_paths(spec: JobSpec):
+    """Create the directories the run writes (``train.run_dir``, the checkpoint's directory,
+    ``log.tensorboard``) and check they are writable: a ConfigError naming the key now
+    instead of a crash at the first save."""
+    dirs = []
+    if spec.checkpoint:
+        dirs.append(('checkpoint.path', os.path.dirname(spec.checkpoint['path']) or '.'))
+    if 'tensorboard' in spec.log:
+        dirs.append(('log.tensorboard', spec.log['tensorboard']))
+    dirs.append(('train.run_dir', spec.run_dir))
+    for key, folder in dirs:
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise ConfigError(f"'{key}': {folder!r} is a file, not a directory")
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"'{key}': cannot create the directory {folder!r}: "
+                              f"{err.strerror or err}") from None
+        if not os.access(folder, os.W_OK):
+            raise ConfigError(f"'{key}': the directory {folder!r} is not writable")
+
+
+def prepare_data(spec: JobSpec, microbatches: int = 1):
+    """Everything about the data that can fail or take time, done once in the parent: for
+    ``hf``, load the text (the column checked), train or load the tokenizer, tokenize and pack
+    into ``datasets``' cache (the workers then memory-map it); checks the tokenizer fits
+    ``model.vocab_size`` and that the training blocks fill one global batch."""
+    if spec.data_type != 'hf':
+        return
+    from .data.hf import hf_datasets
+    try:
+        train, _, vocab = hf_datasets(spec.data, spec.run_dir)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    model_vocab = spec.options.get('vocab_size')
+    if model_vocab is not None and model_vocab < vocab:
+        raise ConfigError(f"'model.vocab_size' = {model_vocab} is smaller than the trained "
+                          f"tokenizer's vocabulary of {vocab}")
+    batch = spec.train['global_batch_size'] // microbatches
+    if len(train) < batch:
+        raise ConfigError(f"'data': {len(train)} training blocks of {spec.data['seq_len']} "
+                          f"tokens do not fill one micro-step's global batch of {batch} "
+                          f"('train.global_batch_size'); give more text or a smaller "
+                          f"'data.seq_len'")

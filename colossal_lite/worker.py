@@ -8,10 +8,14 @@ of every rank (peak RSS on CPU, max allocated on CUDA), the bytes every rank sen
 into collectives per ParallelMode during training (buffer bytes as counted by
 ``colossal_lite.communication``, summed over ranks; the few bytes of the metric
 hooks' own reductions included), the evaluation result (validation loss, and
-accuracy for ViT) and a final ``summary:`` line with the first and last loss.
+accuracy for ViT) and a final ``summary:`` line with the first and last loss. A tqdm bar
+shows the steps, loss and throughput when stdout is a terminal. ``worker_main`` then
+writes ``metrics.jsonl`` (one JSON object per step and per evaluation) and, with
+matplotlib, ``loss.png`` into ``train.run_dir`` and says where.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -35,15 +39,22 @@ def _print0(*args):
 
 
 class _LossHistory(H.BaseHook):
-    """Keeps (step, loss) of every step, after LossHook has averaged it over replicas."""
+    """Keeps the loss of every step (after LossHook has averaged it over replicas) and a
+    record per step (``step, loss, lr``) and per test (``step, test_*``)."""
 
-    priority = H.METRIC_PRIORITY + 1
+    priority = H.SCHEDULER_PRIORITY + 1
+    uses_train_output = False
 
     def before_train(self, trainer):
-        self.losses = []
+        self.losses, self.records = [], []
 
     def after_train_iter(self, trainer, output, label, loss):
         self.losses.append(trainer.metrics['loss'])
+        self.records.append(dict(step=trainer.cur_step, loss=trainer.metrics['loss'],
+                                 lr=trainer.metrics.get('lr')))
+
+    def after_test(self, trainer):
+        self.records.append(dict(step=trainer.cur_step, **H.test_metrics(trainer.metrics)))
 
 
 def _gathered_report():
@@ -59,14 +70,15 @@ def _gathered_report():
 def _report(trainer, spec, history: _LossHistory, elapsed: float):
     peaks, comm = _gathered_report()
     m = trainer.metrics
-    text = spec.data_type == 'shakespeare'
+    text = spec.is_text
     unit = 'tokens/s' if text else 'samples/s'
     rate = m.get('tokens_per_s' if text else 'samples_per_s')
     if rate is None or rate != rate:
         _print0('throughput: not measured (the first 2 steps are warm-up; run more steps)')
     else:
+        flops = f', tflops={m["tflops"]:.4g} (6 x parameters x tokens/s)' if 'tflops' in m else ''
         _print0(f'throughput: {rate:.1f} {unit} (global), {m.get("step_time_s", float("nan")):.3f} '
-                f's/step, ~{m.get("tflops", 0.0) * 1e3:.3f} GFLOPS model estimate')
+                f's/step{flops}')
     _print0('peak memory per rank (MiB): ' + ', '.join(f'rank {r}: {p:.0f}' for r, p in enumerate(peaks)))
     _print0('bytes communicated per ParallelMode (all ranks): ' +
             (', '.join(f'{k}: {v / 2**20:.2f} MiB' for k, v in sorted(comm.items())) or 'none'))
@@ -86,9 +98,11 @@ def train(cfg, spec=None) -> dict:
     from .trainer import Trainer
     settings = cfg.settings
     spec = spec or settings.job
-    text = spec.data_type == 'shakespeare'
+    text = spec.is_text
     model = build_model(spec)
     accumulation = settings.engine.num_microbatches
+    if spec.data_type == 'hf':
+        _prepare_on_rank0_first(spec)
     train_dl, test_dl, _ = build_data(spec, gpc.device, accumulation)
     optimizer = build_optimizer(spec, model)
     steps_per_epoch = len(train_dl) // accumulation
@@ -101,10 +115,12 @@ def train(cfg, spec=None) -> dict:
     engine, train_dl, test_dl, scheduler = initialize(model, optimizer, build_criterion(spec),
                                                       train_dl, test_dl, scheduler)
     history = _LossHistory()
-    hooks = [H.LossHook(), history, H.ThroughputHook(warmup=2), H.LRSchedulerHook(scheduler),
-             H.LogMetricByStepHook(spec.train['log_every'], printer=_print0)]
+    bar = H.ProgressBarHook(total, 'tokens/s' if text else 'samples/s')
+    hooks = [H.LossHook(), history, H.ThroughputHook(warmup=2, tokens=text),
+             H.LRSchedulerHook(scheduler), bar,
+             H.LogMetricByStepHook(spec.train['log_every'], printer=bar.printer)]
     if not text:
-        hooks += [H.AccuracyHook(), H.LogMetricByEpochHook(printer=_print0)]
+        hooks += [H.AccuracyHook(), H.LogMetricByEpochHook(printer=bar.printer)]
     if spec.checkpoint:
         hooks.append(H.SaveCheckpointHook(spec.checkpoint['path'], spec.checkpoint['interval'],
                                           by_step=True, lr_scheduler=scheduler))
@@ -121,9 +137,51 @@ def train(cfg, spec=None) -> dict:
                 test_dataloader=None if text else test_dl)
     elapsed = time.perf_counter() - start
     if text:
-        trainer.evaluate(_limited(test_dl, spec.train['eval_batches']), hooks=[H.LossHook()])
+        trainer.evaluate(_limited(test_dl, spec.train['eval_batches']), hooks=[H.LossHook(), history])
     _report(trainer, spec, history, elapsed)
-    return dict(trainer.metrics, losses=list(history.losses))
+    return dict(trainer.metrics, losses=list(history.losses), records=list(history.records))
+
+
+def _prepare_on_rank0_first(spec):
+    """Rank 0 trains / loads the tokenizer and fills ``datasets``' cache, then the others read
+    it (one GLOBAL all_reduce as the barrier); ``colossal-lite train`` did it already in the
+    parent, so this only loads."""
+    from .communication import all_reduce
+    from .job import prepare_data
+    if gpc.get_global_rank() == 0:
+        prepare_data(spec)
+    all_reduce(torch.zeros(1, device=gpc.device), ParallelMode.GLOBAL)
+
+
+def write_run_files(records, run_dir: str) -> list:
+    """``metrics.jsonl`` (one JSON object per record) and, when matplotlib is installed,
+    ``loss.png`` (train and test loss against step) in ``run_dir``; the paths written."""
+    os.makedirs(run_dir, exist_ok=True)
+    written = [os.path.join(run_dir, 'metrics.jsonl')]
+    with open(written[0], 'w') as f:
+        for record in records:
+            f.write(json.dumps(record) + '\n')
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    fig, ax = plt.subplots(figsize=(6, 4))
+    train = [(r['step'], r['loss']) for r in records if 'loss' in r]
+    test = [(r['step'], r['test_loss']) for r in records if 'test_loss' in r]
+    if train:
+        ax.plot(*zip(*train), label='train loss')
+    if test:
+        ax.plot(*zip(*test), 'o-', label='test loss')
+    ax.set_xlabel('step')
+    ax.set_ylabel('loss')
+    ax.legend()
+    fig.tight_layout()
+    written.append(os.path.join(run_dir, 'loss.png'))
+    fig.savefig(written[-1], dpi=100)
+    plt.close(fig)
+    return written
 
 
 class _limited:
@@ -148,6 +206,10 @@ def worker_main(config_path: str, steps: Optional[int] = None):
     backend = cfg.settings.run.backend or ('nccl' if torch.cuda.is_available() else 'gloo')
     launch_from_torch(cfg, backend=backend)
     try:
-        return train(gpc.config, spec)
+        result = train(gpc.config, spec)
+        if gpc.get_global_rank() == 0:
+            written = write_run_files(result['records'], spec.run_dir)
+            print('wrote ' + ', '.join(written), flush=True)
+        return result
     finally:
         gpc.destroy()

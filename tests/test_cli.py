@@ -144,8 +144,8 @@ def test_layout_and_job_mismatches_fail_before_any_process(tmp_path, body, nproc
 
 def test_what_is_not_built_yet_stops_in_the_parent(tmp_path, capsys):
     path = tmp_path / 'job.py'
-    path.write_text(f"_base_ = {BASE!r}\nzero = dict(stage=3)\n")
-    with pytest.raises(NotImplementedError, match='ZeRO stage 3'):
+    path.write_text(f"_base_ = {BASE!r}\nzero = dict(stage=3)\nfp16 = dict(mode='apex')\n")
+    with pytest.raises(NotImplementedError, match="'apex' is not supported with ZeRO"):
         cli.check_job(str(path), 1, None)
     assert cli.train_command(cli._parser().parse_args(['train', str(path)]),
                              entrypoint=_must_not_run) == 2
@@ -338,3 +338,221 @@ def test_the_library_never_imports_the_model_zoo():
             if any(re.fullmatch(r'model_zoo(\.\w+)*', n) for n in names):
                 offenders.append(f'{path.relative_to(REPO)}:{node.lineno}')
     assert offenders == []
+
+
+# ---------------------------------------------------------------------------- your own data (hf)
+BPE_CONFIG = os.path.join(REPO, 'configs', 'gpt_bpe_plays.py')
+
+
+def _bpe_job(tmp_path, **data):
+    """configs/gpt_bpe_plays.py made small: one play, seq_len 16, a 512-token BPE, 3 steps."""
+    play = os.path.join(REPO, 'colossal_lite', 'data', 'shakespeare', 'macbeth.txt')
+    fields = dict(type='hf', path='text', data_files=[play], seq_len=16, val_fraction=0.05,
+                  tokenizer=dict(type='bpe', vocab_size=500), cache_dir=str(tmp_path / 'cache'))
+    fields.update(data)
+    return (f"_base_ = {BPE_CONFIG!r}\n"
+            "model = dict(type='gpt', preset='tiny', hidden=32, layers=1, heads=4, "
+            "max_positions=16, dropout=0.0)\n"
+            f"data = {fields!r}\n"
+            f"train = dict(global_batch_size=8, steps=3, log_every=1, eval_batches=1, "
+            f"run_dir={str(tmp_path / 'run')!r})\n"
+            "optimizer = dict(type='adamw', lr=1e-2)\nlr_scheduler = dict(type='constant')\n")
+
+
+def test_the_bpe_config_trains_on_your_text_like_the_serial_model(tmp_path):
+    """Two data-parallel workers on a BPE-tokenized play print the serial model's losses; the
+    tokenizer, metrics.jsonl and loss.png land in train.run_dir."""
+    import json
+    path = _write(tmp_path, _bpe_job(tmp_path))
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1')
+    run = subprocess.run([sys.executable, '-m', 'colossal_lite.cli', 'train', path, '--nproc', '2'],
+                         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+
+    from colossal_lite.config import load_config
+    from colossal_lite.data import DataParallelLoader
+    from colossal_lite.data.hf import hf_datasets
+    from colossal_lite.job import build_criterion, build_model
+    spec = load_config(path).settings.job
+    train, _, vocab = hf_datasets(spec.data, str(tmp_path / 'run'))    # the saved tokenizer
+    assert vocab <= 500 and spec.options['vocab_size'] == 512             # rounded up to 128s
+    torch.manual_seed(1024)
+    model, loss_fn = build_model(spec), build_criterion(spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    serial, batches = [], iter(DataParallelLoader(train, 8, seed=0, data_rank=0, data_size=1))
+    for _ in range(3):
+        ids, labels = next(batches)
+        opt.zero_grad()
+        loss = loss_fn(model(ids), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)          # the config's clip
+        opt.step()
+        serial.append(loss.item())
+    printed = [float(x) for x in re.findall(r'^step=\d+ epoch=0 loss=([\d.]+)', out, re.M)]
+    assert printed == pytest.approx(serial, abs=1e-3)
+    records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+    assert [r['loss'] for r in records[:3]] == pytest.approx(serial, abs=1e-5)
+    assert records[3]['step'] == 3 and 'test_loss' in records[3]
+    assert (tmp_path / 'run' / 'tokenizer.json').is_file()
+    try:
+        import matplotlib  # noqa: F401
+        assert (tmp_path / 'run' / 'loss.png').stat().st_size > 1000
+    except ImportError:
+        pass
+    assert f"wrote {tmp_path / 'run' / 'metrics.jsonl'}" in out
+
+
+@pytest.mark.parametrize('data, model, message', [
+    (dict(data_files=['missing/*.txt']), '', "'data.data_files': no file matches 'missing/*.txt'"),
+    (dict(text_column='content'), '', "'data.text_column' = 'content' is not a column"),
+    (dict(data_files=['empty.txt']), '', "'data.data_files': 'empty.txt' is empty"),
+    (dict(path='saved_nowhere', data_files=None), '', "'data.path' = 'saved_nowhere' is neither"),
+    (dict(tokenizer=dict(type='file', path='nope.json')), '', "'data.tokenizer.path' = 'nope.json'"),
+    (dict(tokenizer=dict(type='wordpiece')), '', "'data.tokenizer' must be dict(type='bpe'"),
+    ({}, ', vocab_size=256', "'model.vocab_size' = 256 is smaller than the tokenizer's vocabulary of 500"),
+])
+def test_bad_data_fails_in_the_parent_naming_the_key(tmp_path, monkeypatch, capsys, data, model,
+                                                     message):
+    import torch.distributed.launcher.api as launcher
+    starts = []
+    monkeypatch.setattr(launcher, 'elastic_launch', lambda *a, **k: starts.append(a))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'empty.txt').write_text('')
+    text = _bpe_job(tmp_path, **data).replace("dropout=0.0)", f"dropout=0.0{model})")
+    path = _write(tmp_path, text)
+    assert cli.main(['train', path, '--nproc', '2']) == 2
+    assert message in capsys.readouterr().err
+    assert starts == []
+
+
+# ---------------------------------------------------------------------------- as a new user meets it
+def killed_worker(config_path, steps):
+    import signal
+    from colossal_lite.communication import all_reduce
+    from colossal_lite.context import ParallelMode
+    from colossal_lite.launch import launch_from_torch
+    launch_from_torch(config_path, backend='gloo')
+    if int(os.environ['RANK']) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)          # what the out-of-memory killer does
+    all_reduce(torch.ones(1), ParallelMode.GLOBAL)    # the others lose their connection here
+
+
+def test_a_killed_rank_is_named_first_with_its_signal(tmp_path, capsys):
+    args = cli._parser().parse_args(['train', _write(tmp_path, TINY), '--nproc', '4'])
+    assert cli.train_command(args, entrypoint=killed_worker) == 1
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    first = next(line for line in lines if 'failed first' in line)
+    assert first == 'rank 3 failed first: killed by SIGKILL (the out-of-memory killer, or kill -9)', err
+    assert 'Traceback' not in err.split('traceback of rank')[0]   # no launcher noise before it
+    assert err.count('traceback of rank') <= 1
+
+
+def test_forgetting_nproc_suggests_it(tmp_path):
+    with pytest.raises(ConfigError, match='got world size 1: run with --nproc 2$'):
+        cli.check_job(_write(tmp_path, TINY), 1, None)
+    pp = _write(tmp_path, 'num_microbatches = 2\n' + TINY.replace('parallel = dict(',
+                                                                 'parallel = dict(pipeline=2, data=2, '))
+    with pytest.raises(ConfigError, match='run with --nproc 8$'):
+        cli.check_job(pp, 4, None)
+
+
+def test_a_copied_config_names_its_missing_base(tmp_path):
+    copied = tmp_path / 'gpt_dp.py'
+    copied.write_text(open(os.path.join(REPO, 'configs', 'gpt_dp.py')).read())
+    with pytest.raises(ConfigError, match=r"_gpt_shakespeare.py', the _base_ of '.*gpt_dp.py'"):
+        cli.check_job(str(copied), 2, None)
+
+
+def test_help_reads_plainly_and_version_is_printed(capsys):
+    from colossal_lite import __version__
+    with pytest.raises(SystemExit):
+        cli.main(['--help'])
+    text = capsys.readouterr().out
+    assert '``' not in text and 'train' in text and '--version' in text
+    with pytest.raises(SystemExit):
+        cli.main(['--version'])
+    assert capsys.readouterr().out.strip() == f'colossal-lite {__version__}'
+
+
+def test_an_unwritable_checkpoint_directory_fails_before_the_start(tmp_path):
+    (tmp_path / 'a_file').write_text('')
+    body = TINY + f"checkpoint = dict(path={str(tmp_path / 'a_file' / 'ckpt_{step}.pt')!r})\n"
+    with pytest.raises(ConfigError, match="'checkpoint.path': '.*a_file' is a file, not a directory"):
+        cli.check_job(_write(tmp_path, body), 4, None)
+    body = TINY + f"checkpoint = dict(path={str(tmp_path / 'new' / 'ckpt_{step}.pt')!r})\n"
+    cli.check_job(_write(tmp_path, body), 4, None)
+    assert (tmp_path / 'new').is_dir()
+
+
+class _Trainer:
+    def __init__(self, **metrics):
+        self.metrics, self.cur_step, self.cur_epoch, self.history = metrics, 4, 1, []
+        self.step_samples, self.step_tokens = 8, 8
+
+
+def test_image_logs_show_step_metrics_on_step_lines_and_test_metrics_on_test_lines():
+    from colossal_lite.trainer import hooks as H
+    lines = []
+    trainer = _Trainer(loss=0.5, lr=1e-3, test_loss=0.9, test_accuracy=0.7, epoch_loss=0.6)
+    H.LogMetricByStepHook(1, printer=lines.append).after_train_iter(trainer, None, None, None)
+    H.LogMetricByEpochHook(printer=lines.append).after_test(trainer)
+    assert lines == ['step=4 epoch=1 loss=0.5 lr=0.001', 'test (epoch 1) test_loss=0.9 test_accuracy=0.7']
+    trainer.engine = type('E', (), {'model': torch.nn.Linear(2, 2)})()
+    images = H.ThroughputHook(warmup=0, tokens=False)
+    images.before_train(trainer)
+    images.before_train_iter(trainer)
+    images.after_train_iter(trainer, None, None, None)
+    assert 'samples_per_s' in trainer.metrics and 'tokens_per_s' not in trainer.metrics
+    assert 'tflops' not in trainer.metrics
+
+
+def test_progress_bar_on_a_terminal_and_plain_lines_otherwise():
+    import io
+    from colossal_lite.trainer import hooks as H
+    plain = H.ProgressBarHook(3, stream=io.StringIO())          # not a terminal
+    assert not plain.enabled
+    plain.printer('step=1 loss=2')
+    assert plain.stream.getvalue() == 'step=1 loss=2\n'
+    pytest.importorskip('tqdm')
+    bar = H.ProgressBarHook(3, stream=io.StringIO(), force=True)
+    trainer = _Trainer(loss=2.5, tokens_per_s=1234.0)
+    bar.before_train(trainer)
+    for _ in range(3):
+        bar.after_train_iter(trainer, None, None, None)
+    bar.printer('a log line')
+    bar.after_train(trainer)
+    shown = bar.stream.getvalue()
+    assert '3/3' in shown and 'loss=2.5000' in shown and 'tokens/s=1234' in shown
+    assert 'a log line\n' in shown
+
+
+INSTALL = os.path.join(REPO, 'scripts', 'install.sh')
+FAKE_PY = """#!/usr/bin/env bash
+echo "$*" >> "$LOG"
+if [ "$1" = -c ]; then exit 1; fi                     # no torch yet
+case "$*" in *download.pytorch.org*) exit "${CPU_INDEX_FAILS:-0}";; esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize('cpu_index_fails', [0, 1])
+def test_install_prefers_the_cpu_wheel_without_a_gpu_and_falls_back_to_the_default_index(
+        tmp_path, cpu_index_fails):
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    (bin_dir / 'python').write_text(FAKE_PY)
+    (bin_dir / 'nvidia-smi').write_text('#!/bin/sh\nexit 9\n')    # no working GPU
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / 'log'
+    env = dict(os.environ, PYTHON=str(bin_dir / 'python'), LOG=str(log),
+               CPU_INDEX_FAILS=str(cpu_index_fails), PATH=f"{bin_dir}:{os.environ['PATH']}")
+    run = subprocess.run(['bash', INSTALL, 'test'], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    calls = [line for line in log.read_text().splitlines() if 'pip install' in line]
+    assert 'download.pytorch.org/whl/cpu' in calls[0] and 'torch==2.13.0' in calls[0]
+    if cpu_index_fails:
+        assert calls[1] == '-m pip install -q torch==2.13.0'           # the default index
+    assert calls[-1] == '-m pip install -q -e .[test]' and len(calls) == 2 + cpu_index_fails

@@ -22,6 +22,8 @@ from ..context import ParallelMode, global_context as gpc
 def _take(dataset: Dataset, indices: torch.Tensor, device: Optional[torch.device]):
     if isinstance(dataset, TensorDataset):
         batch = tuple(t[indices] for t in dataset.tensors)
+    elif hasattr(dataset, 'take'):  # reads a whole batch at once (data.hf.PackedBlocks)
+        batch = tuple(dataset.take(indices))
     else:
         batch = default_collate([dataset[int(i)] for i in indices])
     if device is not None:

@@ -171,16 +171,17 @@ def _sync_device():
 
 
 class ThroughputHook(BaseHook):
-    """After ``warmup`` steps: ``samples_per_s`` and ``tokens_per_s`` (global: local counts x
-    data-parallel size / step time), ``tflops`` = 6 * parameters * tokens/s / 1e12 (the
-    forward+backward estimate), ``step_time_s`` (mean)."""
+    """After ``warmup`` steps: ``samples_per_s`` and, when the samples are token sequences
+    (``tokens=True``), ``tokens_per_s`` (global: local counts x data-parallel size / step
+    time) and ``tflops`` = 6 * parameters * tokens/s / 1e12 (the forward+backward estimate;
+    TFLOPS is the one unit everything prints); ``step_time_s`` (mean)."""
 
     uses_train_output = False
     priority = METRIC_PRIORITY
 
-    def __init__(self, warmup: int = 1, priority: Optional[int] = None):
+    def __init__(self, warmup: int = 1, priority: Optional[int] = None, tokens: bool = True):
         super().__init__(priority)
-        self.warmup = warmup
+        self.warmup, self.tokens = warmup, tokens
 
     def before_train(self, trainer):
         self._params = full_parameter_count(trainer.engine.model)
@@ -202,10 +203,11 @@ class ThroughputHook(BaseHook):
         self._samples += trainer.step_samples * replicas
         self._tokens += trainer.step_tokens * replicas
         measured = self._steps - self.warmup
-        trainer.metrics.update(samples_per_s=self._samples / self._time,
-                               tokens_per_s=self._tokens / self._time,
-                               tflops=6 * self._params * self._tokens / self._time / 1e12,
-                               step_time_s=self._time / measured)
+        trainer.metrics['samples_per_s'] = self._samples / self._time
+        if self.tokens:
+            trainer.metrics.update(tokens_per_s=self._tokens / self._time,
+                                   tflops=6 * self._params * self._tokens / self._time / 1e12)
+        trainer.metrics['step_time_s'] = self._time / measured
 
 
 def peak_memory_mb() -> float:
@@ -245,6 +247,24 @@ def _scalars(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
+def _is_test_metric(key: str) -> bool:
+    return key.startswith('test_')
+
+
+def train_metrics(metrics: dict) -> dict:
+    """The metrics of training (the last test's ``test_*`` left out)."""
+    return {k: v for k, v in metrics.items() if not _is_test_metric(k)}
+
+
+def step_metrics(metrics: dict) -> dict:
+    """The metrics of the last step (the last epoch's ``epoch_*`` and test's ``test_*`` left out)."""
+    return {k: v for k, v in metrics.items() if not (_is_test_metric(k) or k.startswith('epoch_'))}
+
+
+def test_metrics(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if _is_test_metric(k)}
+
+
 def _format(metrics: dict) -> str:
     parts = []
     for k, v in metrics.items():
@@ -258,8 +278,9 @@ def _format(metrics: dict) -> str:
 
 
 class LogMetricByStepHook(BaseHook):
-    """Every ``interval`` steps: append ``{step, epoch, **metrics}`` to ``trainer.history`` and
-    print it on rank 0 with ``printer``."""
+    """Every ``interval`` steps: append ``{step, epoch, **metrics}`` (this step's metrics only:
+    no stale ``test_*`` or ``epoch_*``) to ``trainer.history`` and print it on rank 0 with
+    ``printer``."""
 
     uses_train_output = False
 
@@ -271,14 +292,15 @@ class LogMetricByStepHook(BaseHook):
     def after_train_iter(self, trainer, output, label, loss):
         if trainer.cur_step % self.interval:
             return
-        record = dict(step=trainer.cur_step, epoch=trainer.cur_epoch, **trainer.metrics)
+        record = dict(step=trainer.cur_step, epoch=trainer.cur_epoch,
+                      **step_metrics(trainer.metrics))
         trainer.history.append(record)
         if _is_rank0():
             self.printer(_format(record))
 
 
 class LogMetricByEpochHook(BaseHook):
-    """After every epoch and test: print the metrics on rank 0."""
+    """After every epoch (training metrics) and test (``test_*`` metrics only): print on rank 0."""
 
     def __init__(self, printer: Callable[[str], object] = print, priority: Optional[int] = None):
         super().__init__(priority)
@@ -286,11 +308,62 @@ class LogMetricByEpochHook(BaseHook):
 
     def after_epoch(self, trainer):
         if _is_rank0():
-            self.printer(f'epoch {trainer.cur_epoch} ' + _format(trainer.metrics))
+            self.printer(f'epoch {trainer.cur_epoch} ' + _format(train_metrics(trainer.metrics)))
 
     def after_test(self, trainer):
         if _is_rank0():
-            self.printer(f'test (epoch {trainer.cur_epoch}) ' + _format(trainer.metrics))
+            self.printer(f'test (epoch {trainer.cur_epoch}) ' + _format(test_metrics(trainer.metrics)))
+
+
+class ProgressBarHook(BaseHook):
+    """A tqdm bar of the ``total`` steps on rank 0 with the loss and the throughput, when
+    ``stream`` (default stdout) is a terminal and tqdm is installed (``force`` draws it on any
+    stream); :meth:`printer` prints a line above the bar (or plainly when there is none)."""
+
+    uses_train_output = False
+
+    def __init__(self, total: int, unit: str = 'tokens/s', stream=None, force: bool = False,
+                 priority: Optional[int] = None):
+        super().__init__(priority)
+        import sys
+        self.total, self.unit, self.stream = total, unit, stream or sys.stdout
+        self.enabled = _is_rank0() and (force or self.stream.isatty()) and _tqdm() is not None
+        self.bar = None
+
+    def printer(self, *parts):
+        line = ' '.join(str(p) for p in parts)
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        elif _is_rank0():
+            print(line, file=self.stream, flush=True)
+
+    def before_train(self, trainer):
+        if self.enabled:
+            self.bar = _tqdm()(total=self.total, file=self.stream, dynamic_ncols=True,
+                               unit='step', desc='train')
+
+    def after_train_iter(self, trainer, output, label, loss):
+        if self.bar is None:
+            return
+        shown = {'loss': f"{trainer.metrics['loss']:.4f}"} if 'loss' in trainer.metrics else {}
+        rate = trainer.metrics.get('tokens_per_s' if self.unit == 'tokens/s' else 'samples_per_s')
+        if rate is not None:
+            shown[self.unit] = f'{rate:.0f}'
+        self.bar.set_postfix(shown, refresh=False)
+        self.bar.update(1)
+
+    def after_train(self, trainer):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _tqdm():
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm
 
 
 class SaveCheckpointHook(BaseHook):
