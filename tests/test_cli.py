@@ -22,6 +22,26 @@ optimizer = dict(type='adamw', lr=1e-2)
 """
 
 
+def _serial_job_losses(spec, train, steps, clip=None):
+    """The job's model trained in this process on ``train`` (batches of 8, seed 0): losses."""
+    from colossal_lite.data import DataParallelLoader
+    from colossal_lite.job import build_criterion, build_model
+    torch.manual_seed(1024)                       # launch()'s default seed
+    model, loss_fn = build_model(spec), build_criterion(spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, batches = [], iter(DataParallelLoader(train, 8, seed=0, data_rank=0, data_size=1))
+    for _ in range(steps):
+        ids, labels = next(batches)
+        opt.zero_grad()
+        loss = loss_fn(model(ids), labels)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _write(tmp_path, text, name='job.py'):
     path = tmp_path / name
     path.write_text(text)
@@ -303,18 +323,8 @@ def test_a_user_model_registered_by_an_import_trains_through_the_job_path(tmp_pa
 
     from colossal_lite.data import DataParallelLoader, text_datasets
     from colossal_lite.job import build_criterion, build_model
-    torch.manual_seed(1024)                       # launch()'s default seed
-    model, loss_fn = build_model(spec), build_criterion(spec)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train, _ = text_datasets(16, 0.05, ['macbeth'])
-    serial, batches = [], iter(DataParallelLoader(train, 8, seed=0, data_rank=0, data_size=1))
-    for _ in range(3):
-        ids, labels = next(batches)
-        opt.zero_grad()
-        loss = loss_fn(model(ids), labels)
-        loss.backward()
-        opt.step()
-        serial.append(loss.item())
+    serial = _serial_job_losses(spec, train, 3)
     assert losses[0] == pytest.approx(serial, rel=1e-5)
     assert serial[-1] < serial[0]
 
@@ -377,18 +387,7 @@ def test_the_bpe_config_trains_on_your_text_like_the_serial_model(tmp_path):
     spec = load_config(path).settings.job
     train, _, vocab = hf_datasets(spec.data, str(tmp_path / 'run'))    # the saved tokenizer
     assert vocab <= 500 and spec.options['vocab_size'] == 512             # rounded up to 128s
-    torch.manual_seed(1024)
-    model, loss_fn = build_model(spec), build_criterion(spec)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    serial, batches = [], iter(DataParallelLoader(train, 8, seed=0, data_rank=0, data_size=1))
-    for _ in range(3):
-        ids, labels = next(batches)
-        opt.zero_grad()
-        loss = loss_fn(model(ids), labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)          # the config's clip
-        opt.step()
-        serial.append(loss.item())
+    serial = _serial_job_losses(spec, train, 3, clip=1.0)              # the config's clip
     printed = [float(x) for x in re.findall(r'^step=\d+ epoch=0 loss=([\d.]+)', out, re.M)]
     assert printed == pytest.approx(serial, abs=1e-3)
     records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
