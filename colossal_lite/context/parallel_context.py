@@ -16,7 +16,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..config import Config, ParallelLayout, parse_parallel
+from ..config import Config, ParallelLayout, parse_settings
 from .layout import build_groups
 from .parallel_mode import ParallelMode
 from .random import mode_seed, seed_manager
@@ -95,7 +95,7 @@ class ParallelContext:
         self.config = config
         world = dist.get_world_size()
         rank = dist.get_rank()
-        self.layout = parse_parallel(config.get('parallel')).with_world_size(world)
+        self.layout = parse_settings(config).layout.with_world_size(world)
         for mode, groups in build_groups(self.layout).items():
             for members in groups:
                 if mode is ParallelMode.GLOBAL:
