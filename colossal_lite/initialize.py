@@ -2,13 +2,14 @@
 
 Order (each step one small function):
 
-1. reject what this release cannot do yet (ZeRO stage 3);
+1. reject what this release cannot do yet (ZeRO stage 3 with pipeline, ZeRO with apex);
 2. move the model to the run's device and broadcast its parameters and buffers
    from local rank 0 of the data-parallel group (DATA, or SEQUENCE_DP in
    sequence mode) so every replica starts from the same weights;
 3. mixed precision from ``fp16`` (may cast the model and re-point the optimizer
-   to fp32 master weights); with ``zero=dict(stage=1|2)`` the optimizer is first
-   sharded (``zero/low_level.py``) and its reduce-scatter replaces the handler of 4.;
+   to fp32 master weights); with ``zero=dict(stage=1|2|3)`` the optimizer is first
+   sharded (``zero/low_level.py``, ``zero/chunk/``) and its reduce-scatter replaces the
+   handler of 4.;
 4. the data-parallel gradient handler (``gradient_handler=dict(bucket_mb=25,
    overlap=True)``), skipped when there is a single replica;
 5. the schedule: the pipeline runtime when ``parallel.pipeline`` > 1 (``pipeline/``);

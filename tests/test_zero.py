@@ -353,8 +353,10 @@ def test_zero_settings_and_unsupported_combinations():
     assert parse_zero(dict(stage=3, placement='static', device_fraction=0.25,
                            device_memory_limit=2 ** 30)).device_fraction == 0.25
     model = build()
-    with pytest.raises(NotImplementedError, match='ZeRO stage 3'):
-        clt.initialize(model, optimizer(model.parameters()), config=dict(zero=dict(stage=3)))
+    with pytest.raises(NotImplementedError, match='ZeRO stage 3 does not run with pipeline'):
+        clt.initialize(model, optimizer(model.parameters()),
+                       config=dict(zero=dict(stage=3), parallel=dict(pipeline=2),
+                                   num_microbatches=2))
     with pytest.raises(NotImplementedError, match="'apex' is not supported with ZeRO"):
         clt.initialize(model, optimizer(model.parameters()),
                        config=dict(zero=dict(stage=2), fp16=dict(mode='apex')))

@@ -1,6 +1,6 @@
 """ZeRO: sharded optimizer states (stage 1), gradients (stage 2) -- ``low_level.py`` --
-and, later, chunk-based ZeRO (stage 3, not built yet). ``docs/zero.md`` has the memory
-and communication formulas.
+and chunk-based ZeRO with device/cpu/static/auto placement (stage 3) -- ``chunk/``.
+``docs/zero.md`` has the memory and communication formulas.
 
 Only the config section is imported here (``colossal_lite.config`` reads it); import
 ``colossal_lite.zero.low_level`` for the optimizer and the gradient handler.

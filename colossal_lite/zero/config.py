@@ -8,7 +8,7 @@
   True: reduce-scatter buckets from autograd hooks while backward goes on),
   ``offload_optimizer`` (bool, default False: fp32 master slice and Adam moments on
   the CPU);
-* stage 3 (chunk ZeRO, not built yet): ``placement`` ('device', 'cpu', 'static',
+* stage 3 (chunk ZeRO, ``zero/chunk/``): ``placement`` ('device', 'cpu', 'static',
   'auto'; default 'device'), ``device_memory_limit`` (positive number of bytes, or
   None for the free device memory), ``chunk_size_mb`` (positive number, or None to
   search), ``device_fraction`` (0 < f <= 1, the share of chunks kept on the device;

@@ -59,15 +59,18 @@ def build_low_level_zero(settings: ZeroSettings, fp16: Optional[Mapping], model:
                          ) -> Tuple[FullPrecision, ShardedGradientReducer]:
     """``(amp, gradient_handler)`` for ZeRO stage 1 or 2 (``model`` already on its device
     and equal on every replica)."""
-    mode = (fp16 or {}).get('mode')
     zero = ZeroOptimizer(optimizer, model, settings.stage, settings.bucket_bytes,
                          overlap=settings.overlap, offload=settings.offload_optimizer)
-    if mode == 'naive':
+    return zero_amp(fp16, model, zero), zero.reducer
+
+
+def zero_amp(fp16: Optional[Mapping], model: torch.nn.Module, zero) -> FullPrecision:
+    """The precision strategy over a ZeRO optimizer (stages 1-3): :class:`ZeroNaiveAmp` for
+    ``mode='naive'``, else the usual strategy of ``fp16`` built on ``zero``."""
+    if (fp16 or {}).get('mode') == 'naive':
         scaler = DynamicGradScaler(**{k: fp16[k] for k in _SCALER_KEYS if k in fp16})
-        amp = ZeroNaiveAmp(model, zero, getattr(torch, fp16.get('dtype', 'float16')), scaler)
-    else:
-        amp = build_amp(fp16, model, zero)
-    return amp, zero.reducer
+        return ZeroNaiveAmp(model, zero, getattr(torch, fp16.get('dtype', 'float16')), scaler)
+    return build_amp(fp16, model, zero)
 
 
 def check_zero(cfg: Mapping) -> Optional[ZeroSettings]:
@@ -77,9 +80,9 @@ def check_zero(cfg: Mapping) -> Optional[ZeroSettings]:
     if settings is None:
         return None
     if settings.stage == 3:
-        raise NotImplementedError("ZeRO stage 3 (chunk-based ZeRO with placement policies, "
-                                  "Gemini) is not implemented yet; use zero=dict(stage=1) or "
-                                  "zero=dict(stage=2)")
+        from .chunk.engine import check_chunk_zero
+        check_chunk_zero(cfg)
+        return settings
     if (cfg.get('fp16') or {}).get('mode') == 'apex':
         raise NotImplementedError("fp16 mode 'apex' is not supported with ZeRO (apex amp keeps "
                                   "its own unsharded master weights); use mode 'torch' or 'naive'")
@@ -92,4 +95,7 @@ def apply_zero(cfg: Mapping, model: torch.nn.Module, optimizer: torch.optim.Opti
     settings = check_zero(cfg)
     if settings is None:
         return None
+    if settings.stage == 3:
+        from .chunk.engine import build_chunk_zero
+        return build_chunk_zero(settings, cfg, model, optimizer)
     return build_low_level_zero(settings, cfg.get('fp16'), model, optimizer)

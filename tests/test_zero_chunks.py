@@ -1,0 +1,390 @@
+"""Chunk ZeRO (stage 3) equals the serial model.
+
+A tiny 2-layer GPT (LM head tied to the token embedding) trains AdamW steps in the parent
+(the serial trace: loss, every gradient, every parameter) and through ``initialize`` with
+``zero=dict(stage=3, placement=...)`` on each data-parallel replica's rows; the traces
+(loss, gradients gathered from the chunk shards, ``model.state_dict()``) must match to 1e-5
+at dp=2, dp=4 and dp=2 x tp=2, also with 2 micro-batches and clipping, and engines resumed
+from the full or sharded state dicts take the serial next step. Chunks of 8192 elements cut
+the model into 6 chunks. The device accounting is read from the manager's ledger: 'auto'
+under a budget below the model data trains to the serial parameters, its accounted peak
+never passes the budget, and it moves fewer bytes than 'cpu'. Mixed precision matches plain
+data parallelism in the same precision and an overflow skips the step everywhere. Also: the
+tensor-state table, the named budget error, the chunk-size search, and the stage-3
+combinations that are not built.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import colossal_lite as clt
+from colossal_lite.config import ConfigError
+from colossal_lite.nn.optimizer import HybridAdam
+from colossal_lite.testing import (Trace, assert_close_dict, assert_matches_serial, engine_step,
+                                   make_optimizer, max_rel_diff, plain_step, replica_batch, run_distributed,
+                                   training_trace)
+from colossal_lite.zero.chunk import (DeviceBudgetExceeded, IllegalTransition, TensorState,
+                                      packed_waste, search_chunk_size)
+from colossal_lite.zero.chunk.chunk import Chunk
+from colossal_lite.zero.low_level import check_zero
+from model_zoo import GPT, GPTLMLoss
+
+STEPS = 5
+CHUNK_MB = 8192 * 4 / 2 ** 20       # 8192 fp32 elements per chunk
+CLIP = 0.05                         # small enough that every step clips
+TIMEOUT = 240
+TP2 = dict(tensor=dict(size=2, mode='1d'))
+
+
+def build(checkpoint: bool = False):
+    return GPT.from_preset('tiny', layers=2, hidden=32, heads=4, max_positions=16, dropout=0.0,
+                           checkpoint=checkpoint)
+
+
+def global_batch():
+    ids = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(0))
+    return ids, ids
+
+
+@pytest.fixture(scope='module')
+def serial():
+    """Initial weights, parameter count, and serial traces: 'plain' (6 steps: the 6th is the
+    reference for resumed engines) and 'clip' (every step clipped to CLIP)."""
+    torch.manual_seed(1)
+    model = build()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    numel = sum(p.numel() for p in model.parameters())
+    traces = {}
+    for key, clip, steps in (('plain', 0.0, STEPS + 1), ('clip', CLIP, STEPS)):
+        model.load_state_dict(init)
+        traces[key] = training_trace(model, global_batch(), steps=steps, step_fn=plain_step(
+            GPTLMLoss(), make_optimizer(model.parameters()), clip=clip, outputs=False))
+    return init, traces, numel
+
+
+def _first(trace: Trace, steps: int = STEPS) -> Trace:
+    return Trace(trace.steps[:steps])
+
+
+def _step(engine, batch):
+    """One engine step; the gradients come from the chunk shards (full, by serial name)."""
+    out = engine_step(engine, batch)
+    out['grads'] = engine.optimizer.full_gradients()
+    return out
+
+
+def _engine(init, zero, extra=None, optimizer=make_optimizer):
+    """An engine over the serial initial weights; ``extra``: config keys, and 'checkpoint'
+    (activation checkpointing in every block)."""
+    extra = dict(extra or {})
+    torch.manual_seed(1)
+    model = build(checkpoint=extra.pop('checkpoint', False))
+    model.load_state_dict(init)
+    engine, *_ = clt.initialize(model, optimizer(model.parameters()), GPTLMLoss(),
+                                config=dict(zero=zero, **extra))
+    return engine
+
+
+def hybrid_adam(params):
+    """make_optimizer's AdamW through the C++ kernel (as chunk ZeRO steps CPU shards)."""
+    return HybridAdam(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
+
+
+def _worker(rank, init, cases, resume=False):
+    results = []
+    for zero, extra in cases:
+        engine = _engine(init, zero, extra)
+        manager = engine.optimizer.manager
+        wte, head = engine.model.wte.weight, engine.model.lm_head.weight
+        tied = wte is head and sum(p is wte for c in manager.chunks for p in c.params) == 1
+        trace = training_trace(engine, global_batch(), steps=STEPS, step_fn=_step)
+        policy = manager.policy
+        out = {'trace': trace, 'ledger': manager.ledger.stats(), 'tied': tied,
+               'chunks': len(manager.chunks), 'dp': manager.chunks[0].axis.size,
+               'shard_elems': sum(c.shard_numel for c in manager.chunks),
+               'capacity_elems': sum(c.padded_numel for c in manager.chunks),
+               'hits': getattr(policy, 'hits', None),
+               'evictions': getattr(policy, 'evictions', None),
+               'non_model': getattr(policy, 'non_model_bytes', None)}
+        if resume:
+            out.update(_resumed(engine, init, zero))
+        results.append(out)
+    return results
+
+
+def _resumed(engine, init, zero) -> dict:
+    """Fresh engines loaded with the trained weights (full state_dict) and the optimizer's
+    full or sharded state take one more step: their weights (for the serial 6th step)."""
+    weights = engine.model.state_dict()
+    states = {'full': engine.optimizer.state_dict(),
+              'sharded': copy.deepcopy(engine.optimizer.sharded_state_dict())}
+    out = {}
+    for form, state in states.items():
+        fresh = _engine(init, zero)
+        fresh.model.load_state_dict(weights)
+        fresh.optimizer.load_state_dict(state)
+        engine_step(fresh, replica_batch(global_batch()))
+        out[f'resumed_{form}'] = fresh.model.state_dict()
+    return out
+
+
+def _run(world, init, cases, config=None, resume=False):
+    return run_distributed(_worker, world, config or {}, init, cases, resume, timeout=TIMEOUT)
+
+
+PLACEMENTS = [dict(placement='device'), dict(placement='cpu'),
+              dict(placement='static', device_fraction=0.5), dict(placement='auto')]
+
+
+def _check_layout(per_rank, cases, traces, dp):
+    for index, (zero, extra) in enumerate(cases):
+        outs = [r[index] for r in per_rank]
+        ref = traces['clip' if extra and 'clip_grad_norm' in extra else 'plain']
+        assert_matches_serial([o['trace'] for o in outs], _first(ref))
+        for o in outs:
+            assert o['tied'] and o['dp'] == dp, (zero, o)
+            assert o['shard_elems'] * dp == o['capacity_elems'], (zero, o)
+        yield zero, outs
+
+
+@pytest.mark.parametrize('world', [2, 4])
+def test_chunk_zero_each_placement_equals_serial_adamw(serial, world):
+    """Loss, every gradient (tied wte/lm_head included) and the parameters after each of 5
+    AdamW steps equal serial, for every placement, for 2 micro-batches with clipping
+    (the serial norm, recorded), and with activation checkpointing (blocks recomputed in
+    backward re-gather their chunks; 'auto' traces that order); each rank holds 1/D of every chunk; the tied weight sits
+    once in one chunk; 'device' keeps 16 bytes per shard element on the device and moves
+    nothing, 'cpu' keeps nothing resident, 'static' half of the chunks."""
+    init, traces, numel = serial
+    cases = [(dict(stage=3, chunk_size_mb=CHUNK_MB, **p), None) for p in PLACEMENTS]
+    cases += [(dict(stage=3, chunk_size_mb=CHUNK_MB, placement='cpu'),
+               dict(num_microbatches=2, clip_grad_norm=CLIP))]
+    cases += [(dict(stage=3, chunk_size_mb=CHUNK_MB, placement='auto'), dict(checkpoint=True))]
+    per_rank = _run(world, init, cases)
+    for zero, outs in _check_layout(per_rank, cases, traces, world):
+        o = outs[0]
+        assert o['chunks'] == 6 and o['capacity_elems'] >= numel, o
+        ledger, resident = o['ledger'], 16 * o['shard_elems']
+        if zero['placement'] == 'device':
+            assert ledger['used'] == resident and ledger['moved_h2d'] == 0, ledger
+        if zero['placement'] == 'cpu':
+            assert ledger['used'] == 0 and ledger['moved_h2d'] > 0, ledger
+        if zero['placement'] == 'static':
+            assert ledger['used'] == resident // 2, ledger   # 3 of 6 equal chunks
+
+
+def test_chunk_zero_with_1d_tensor_parallel_inside(serial):
+    """dp=2 x tp=2 (1D): chunks hold the local tensor-parallel shards, grouped by their
+    cuts; the trace (full gradients and state_dict gathered over both) equals serial."""
+    init, traces, numel = serial
+    cases = [(dict(stage=3, chunk_size_mb=CHUNK_MB, placement=p), None)
+             for p in ('device', 'auto')]
+    per_rank = _run(4, init, cases, config=dict(parallel=TP2))
+    for _ in _check_layout(per_rank, cases, traces, 2):
+        pass
+
+
+def test_state_dicts_resume_the_serial_run(serial):
+    """After 5 steps, engines rebuilt from ``model.state_dict()`` plus the optimizer's full
+    (serial names) or sharded state take the serial 6th step."""
+    init, traces, numel = serial
+    cases = [(dict(stage=3, chunk_size_mb=CHUNK_MB, placement=p), None)
+             for p in ('device', 'auto')]
+    per_rank = _run(2, init, cases, resume=True)
+    expected = traces['plain'][STEPS].items()
+    expected = {k[len('param:'):]: v for k, v in expected if k.startswith('param:')}
+    for results in per_rank:
+        for out in results:
+            assert_close_dict(out['resumed_full'], expected, what='full state resumed')
+            assert_close_dict(out['resumed_sharded'], expected, what='sharded state resumed')
+
+
+@pytest.mark.parametrize('share', [0.75, 0.5])
+def test_auto_under_a_budget_below_the_model_data(serial, share):
+    """'auto' with device_memory_limit at 3/4 and 1/2 of the unsharded model data (fp32
+    weights, gradients, Adam moments: 16 bytes per parameter) trains to the serial
+    parameters, its accounted device peak (checked at every allocation) stays under the
+    limit, and it moves fewer bytes between CPU and device than 'cpu' under the same limit.
+    At 1/2 the cached shards do not all fit: Belady evicts."""
+    init, traces, numel = serial
+    limit = int(share * 16 * numel)
+    zeros = [dict(stage=3, chunk_size_mb=CHUNK_MB, placement=p, device_memory_limit=limit)
+             for p in ('auto', 'cpu')]
+    per_rank = _run(2, init, [(z, None) for z in zeros])
+    for index in range(2):
+        assert_matches_serial([r[index]['trace'] for r in per_rank], _first(traces['plain']))
+    auto, cpu = per_rank[0][0], per_rank[0][1]
+    for o in (auto, cpu):
+        assert o['ledger']['limit'] == limit and 0 < o['ledger']['peak'] <= limit, o['ledger']
+        assert o['ledger']['checks'] > 50, o['ledger']
+    moved = {k: o['ledger']['moved_h2d'] + o['ledger']['moved_d2h']
+             for k, o in (('auto', auto), ('cpu', cpu))}
+    assert moved['auto'] < moved['cpu'], moved
+    assert auto['hits'] > 0 and auto['non_model'] > 0, auto
+    assert (auto['evictions'] > 0) == (share == 0.5), auto
+
+
+def _amp_worker(rank, init, fp16):
+    out = {}
+    for key, zero in (('dp', None), ('zero2', dict(stage=2)),
+                      ('zero3', dict(stage=3, chunk_size_mb=CHUNK_MB, placement='cpu'))):
+        engine = _engine(init, zero, dict(fp16=fp16), optimizer=hybrid_adam)
+        for _ in range(STEPS):
+            engine_step(engine, replica_batch(global_batch()))
+        out[key] = {k: v.float() for k, v in engine.model.state_dict().items()}
+    return out
+
+
+@pytest.mark.parametrize('fp16', [dict(mode='torch'), dict(mode='naive'),
+                                  dict(mode='naive', dtype='bfloat16')],
+                         ids=['torch-autocast', 'naive-fp16', 'naive-bf16'])
+def test_mixed_precision_matches_plain_data_parallel(serial, fp16):
+    """Same precision (autocast: bf16 on CPU; naive: fp16/bf16 chunks, gradients written
+    over the weights, fp32 master shards) and the same Adam arithmetic (HybridAdam's C++
+    kernel, which chunk ZeRO uses for CPU shards): chunk ZeRO ends where plain data
+    parallelism and ZeRO-2 end after 5 steps."""
+    init, traces, numel = serial
+    for out in run_distributed(_amp_worker, 2, {}, init, fp16, timeout=TIMEOUT):
+        moved = max(max_rel_diff(out['dp'][k], init[k].float()) for k in init)
+        assert moved > 1e-3  # the steps changed the weights visibly in this precision
+        for key in ('zero2', 'zero3'):
+            worst = max(max_rel_diff(out[key][k], out['dp'][k]) for k in init)
+            assert worst <= 1e-4, (key, fp16, worst)
+
+
+def _overflow_worker(rank, init):
+    engine = _engine(init, dict(stage=3, chunk_size_mb=CHUNK_MB, placement='auto'),
+                     dict(fp16=dict(mode='naive', initial_scale=2.0 ** 8, hysteresis=1)))
+    poison = dict(engine.model.named_parameters())['blocks.0.mlp.fc1.weight'].register_hook(
+        lambda g: g.index_fill(1, torch.tensor([0]), float('inf')) if rank == 1 else g)
+    before = engine.model.state_dict()
+    masters = [c.master.detach().clone() for c in engine.optimizer.buckets]
+    engine_step(engine, replica_batch(global_batch()))
+    poison.remove()
+    after = engine.model.state_dict()
+    skipped = (engine.overflow and all(torch.equal(before[k], after[k]) for k in before)
+               and all(torch.equal(m, c.master) for m, c in zip(masters,
+                                                                engine.optimizer.buckets))
+               and not engine.optimizer.state)
+    scale = engine.loss_scale
+    engine_step(engine, replica_batch(global_batch()))
+    return skipped, scale, engine.overflow, bool(engine.optimizer.state)
+
+
+def test_overflow_on_one_rank_skips_the_step_everywhere(serial):
+    """Naive fp16 chunks: an inf in rank 1's gradient skips the step on both ranks
+    (weights, masters and optimizer state untouched), halves the scale, and the next step
+    updates."""
+    init, _, _ = serial
+    for skipped, scale, overflow, stepped in run_distributed(_overflow_worker, 2, {}, init,
+                                                             timeout=TIMEOUT):
+        assert skipped and scale == 2.0 ** 7 and not overflow and stepped
+
+
+def _budget_worker(rank, zero):
+    torch.manual_seed(1)
+    model = build()
+    engine, *_ = clt.initialize(model, make_optimizer(model.parameters()), GPTLMLoss(),
+                                config=dict(zero=zero))
+    try:
+        engine.execute_schedule(global_batch())
+    except DeviceBudgetExceeded as err:
+        return str(err)
+    return None
+
+
+def test_a_budget_that_cannot_hold_one_chunk_is_a_named_error():
+    """8192-element chunks need 32768 bytes on the device to be gathered: a 20000-byte
+    budget raises DeviceBudgetExceeded naming the limit and the chunk (at the first gather
+    for 'cpu', at initialize for 'device', whose resident shards do not fit)."""
+    zero = dict(stage=3, chunk_size_mb=CHUNK_MB, placement='cpu', device_memory_limit=20000)
+    message = run_distributed(_budget_worker, 1, {}, zero, timeout=TIMEOUT)[0]
+    assert message is not None and '20000' in message and 'chunk 0 (32768 bytes)' in message, message
+    zero = dict(zero, placement='device')
+    with pytest.raises(Exception, match='DeviceBudgetExceeded'):
+        run_distributed(_budget_worker, 1, {}, zero, timeout=TIMEOUT)
+
+
+def test_tensor_state_table():
+    """Legal moves pass, every other move raises IllegalTransition."""
+    S = TensorState
+    legal = {(S.FREE, S.COMPUTE), (S.FREE, S.FREE), (S.COMPUTE, S.HOLD),
+             (S.COMPUTE, S.HOLD_AFTER_BWD), (S.HOLD, S.COMPUTE), (S.HOLD, S.FREE),
+             (S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE), (S.HOLD_AFTER_BWD, S.FREE),
+             (S.READY_FOR_REDUCE, S.FREE)}
+    param = torch.zeros(3)
+    for old in S:
+        for new in S:
+            chunk = types.SimpleNamespace(index=0, states={id(param): old})
+            if (old, new) in legal:
+                Chunk.move(chunk, [param], new)
+                assert chunk.states[id(param)] is new
+            else:
+                with pytest.raises(IllegalTransition, match=f'{old.name} to {new.name}'):
+                    Chunk.move(chunk, [param], new)
+
+
+def test_chunk_size_search_picks_least_waste():
+    """Sizes [6, 6, 6, 10, 4] packed in order: capacity 14 wastes 10 elements over 3
+    chunks, the least among 10..16; with data-parallel sizes 2 and 4 only multiples of 4
+    qualify, and 12 and 16 both waste 16: 16 wins with fewer chunks."""
+    numels = [6, 6, 6, 10, 4]
+    assert packed_waste(numels, 10) == (18, 5) and packed_waste(numels, 12) == (16, 4)
+    best = search_chunk_size(numels, dp_sizes=(2,), max_elems=16)
+    assert (best.capacity, best.waste, best.chunks) == (14, 10, 3)
+    best = search_chunk_size(numels, dp_sizes=(2, 4), max_elems=16)
+    assert (best.capacity, best.waste, best.chunks) == (16, 16, 3)
+    best = search_chunk_size([5, 9, 20], dp_sizes=(8,))
+    assert best.capacity % 8 == 0 and best.waste == packed_waste([5, 9, 20], best.capacity, 8)[0]
+
+
+def test_stage3_combinations_not_built_are_named():
+    with pytest.raises(NotImplementedError, match="'apex'"):
+        check_zero(dict(zero=dict(stage=3), fp16=dict(mode='apex')))
+    with pytest.raises(NotImplementedError, match='pipeline = 2'):
+        check_zero(dict(zero=dict(stage=3), parallel=dict(pipeline=2), num_microbatches=2))
+    with pytest.raises(ConfigError, match='placement'):
+        check_zero(dict(zero=dict(stage=3, placement='gpu')))
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI_JOB = """_base_ = {base!r}
+model = dict(type='gpt', preset='tiny', hidden=64, layers=2, heads=4, max_positions=32,
+             dropout=0.0)
+data = dict(type='shakespeare', seq_len=32, val_fraction=0.05)
+train = dict(global_batch_size=8, steps=4, log_every=1, eval_batches=1, run_dir={run!r})
+zero = {zero}
+"""
+
+
+def _cli_losses(tmp_path, name, zero):
+    job = tmp_path / f'{name}.py'
+    run = str(tmp_path / name)
+    job.write_text(CLI_JOB.format(base=os.path.join(REPO, 'configs', '_gpt_shakespeare.py'),
+                                  run=run, zero=zero))
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1')
+    out = subprocess.run([sys.executable, '-m', 'colossal_lite.cli', 'train', str(job),
+                          '--nproc', '2'], cwd=str(tmp_path), env=env, capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    with open(os.path.join(run, 'metrics.jsonl')) as f:
+        return [json.loads(line)['loss'] for line in f if '"loss"' in line]
+
+
+def test_cli_train_with_chunk_zero_gives_the_data_parallel_losses(tmp_path):
+    """``colossal-lite train`` (clipping, cosine LR schedule, 2 workers) with
+    zero=dict(stage=3, placement='auto') under a device budget logs the losses of plain
+    data parallelism."""
+    plain = _cli_losses(tmp_path, 'plain', 'None')
+    chunked = _cli_losses(tmp_path, 'chunked', "dict(stage=3, placement='auto', "
+                                                "chunk_size_mb=0.05, device_memory_limit=4e6)")
+    assert len(plain) == len(chunked) >= 4
+    assert max(abs(a - b) / abs(b) for a, b in zip(chunked, plain)) <= 1e-5, (chunked, plain)
