@@ -1,0 +1,155 @@
+"""``save`` / ``load``: atomic checkpoint directories written by ``torch.distributed.checkpoint``.
+
+Directory (see docs/checkpoint.md)::
+
+    dir/
+      .metadata, __<rank>_<i>.distcp   DCP: every 'model.<key>' and 'optim.<name>.<slot>'
+                                       tensor at its full (serial) shape, each written once
+      common.pt                        rank 0: global step, AMP, optimizer hyperparameters,
+                                       LR scheduler, layout, world size, ``extra``
+      rng_<rank>.pt                    each rank: its CPU/CUDA and per-mode RNG states
+
+Save: every rank describes its tensors (``state.sharded_tensor_state``: DTensor views of
+its shards over the layout's DeviceMesh; full tensors, gathered, where there is no view,
+e.g. ZeRO slices) and calls ``dcp.save`` into ``dir.tmp-<uuid>`` (the uuid broadcast
+from rank 0 over GLOBAL); DCP's planner keeps one writer per distinct chunk, so a chunk
+replicated over DATA (or a tied weight on two pipeline stages) is written once. After a
+barrier rank 0 renames the old ``dir`` aside, renames the new one to ``dir`` and deletes
+the old one; a final barrier ends the call. A crash before the rename leaves the
+previous ``dir`` untouched.
+
+Load: every rank reads the index and asks DCP for its own keys (its stage's model keys
+and its parameters' optimizer slots) as DTensors with its own placements, so DCP reads
+the overlapping saved chunks (``state.sharded_targets`` / ``load_sharded_tensor_state``):
+any layout loads any other. Without a launched process group (a plain serial script)
+the same keys go as full tensors. RNG states are restored only when the layout and
+world size equal the saved ones (they depend on the rank's place).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..communication import collective as C
+from ..context import ParallelMode, current_context
+from . import state as S
+
+COMMON = 'common.pt'
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier():
+    if _distributed():
+        C.barrier(ParallelMode.GLOBAL)
+
+
+def _shared_token() -> str:
+    """A uuid chosen by rank 0 and broadcast to every rank."""
+    token = uuid.uuid4().hex
+    if not _distributed():
+        return token
+    buf = torch.tensor(list(token.encode()), dtype=torch.uint8, device=current_context().device)
+    buf = C.broadcast(buf, ParallelMode.GLOBAL, src=0)
+    return bytes(buf.cpu().tolist()).decode()
+
+
+def _layout_signature() -> str:
+    ctx = current_context()
+    return repr(ctx.layout) if ctx is not None and ctx.layout is not None else 'serial'
+
+
+def _views() -> Optional[S.DTensorViews]:
+    """DTensor views over the launched layout's mesh (collective), None when serial."""
+    ctx = current_context()
+    if not _distributed() or ctx.layout is None:
+        return None
+    from ..tensor import layout_mesh
+    return S.DTensorViews(layout_mesh(ctx.layout), ctx.layout)
+
+
+def _check_dataloader(dataloader):
+    if dataloader is not None:
+        raise NotImplementedError('saving or restoring a dataloader position is not '
+                                  'implemented yet; pass dataloader=None')
+
+
+def _commit(tmp: str, path: str) -> None:
+    """Rank 0: put the complete ``tmp`` at ``path``; the old checkpoint is removed last."""
+    old = None
+    if os.path.exists(path):
+        old = f'{path}.old-{uuid.uuid4().hex}'
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def save(path: str, engine, lr_scheduler=None, dataloader=None, extra: Any = None) -> None:
+    """Write the engine's training state to directory ``path`` (collective, atomic)."""
+    _check_dataloader(dataloader)
+    S.check_supported(engine)
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f'the checkpoint directory\'s parent {parent} does not exist')
+    tmp = f'{path}.tmp-{_shared_token()}'
+    views = _views()
+    flat = S.tensor_state(engine) if views is None else S.sharded_tensor_state(engine, views)
+    rank = _rank()
+    if rank == 0:
+        os.makedirs(tmp)
+    _barrier()
+    dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp))
+    torch.save(S.rng_state(), os.path.join(tmp, f'rng_{rank}.pt'))
+    if rank == 0:
+        common = dict(S.side_state(engine, lr_scheduler), extra=extra,
+                      layout=_layout_signature(),
+                      world_size=dist.get_world_size() if _distributed() else 1)
+        torch.save(common, os.path.join(tmp, COMMON))
+    _barrier()
+    if rank == 0:
+        _commit(tmp, path)
+    _barrier()
+
+
+def load(path: str, engine, lr_scheduler=None, dataloader=None) -> Any:
+    """Load the checkpoint at ``path`` into ``engine`` in its own layout (collective);
+    returns the ``extra`` given to :func:`save`."""
+    _check_dataloader(dataloader)
+    S.check_supported(engine)
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(os.path.join(path, COMMON)):
+        raise FileNotFoundError(f'{path} is not a complete checkpoint (no {COMMON})')
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    views = _views()
+    if views is None:
+        flat = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+                for key in S.wanted_keys(engine, saved)}
+        dcp.load(flat, storage_reader=reader)
+        S.load_tensor_state(engine, flat)
+    else:
+        flat = S.sharded_targets(engine, saved, views)
+        dcp.load(flat, storage_reader=reader)
+        S.load_sharded_tensor_state(engine, flat)
+    common = torch.load(os.path.join(path, COMMON), weights_only=False)
+    S.load_side_state(engine, common, lr_scheduler)
+    world = dist.get_world_size() if _distributed() else 1
+    rng_file = os.path.join(path, f'rng_{_rank()}.pt')
+    if common['layout'] == _layout_signature() and common['world_size'] == world:
+        S.load_rng_state(torch.load(rng_file, weights_only=False))
+    _barrier()
+    return common['extra']
