@@ -23,7 +23,10 @@ def zeros_init(b: torch.Tensor, g=None):
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention: q, k, v projections open a parallel region, out closes it."""
+    """Multi-head self-attention: q, k, v projections open a parallel region, out closes it.
+
+    ``query``, ``key``, ``value`` are three Linears (their own state-dict keys and seeded
+    weights); ``col_nn.project_qkv`` runs them as one fused, head-aligned matmul."""
 
     def __init__(self, hidden: int, heads: int, dropout: float, causal: bool, init_std: float):
         super().__init__()
@@ -39,7 +42,8 @@ class SelfAttention(nn.Module):
                                    bias_init=zeros_init)
 
     def forward(self, x, key_padding_mask=None):
-        ctx = self.core(self.query(x), self.key(x), self.value(x), key_padding_mask)
+        q, k, v = col_nn.project_qkv(x, self.query, self.key, self.value)
+        ctx = self.core(q, k, v, key_padding_mask)
         return self.dense(ctx)
 
 

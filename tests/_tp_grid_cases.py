@@ -176,8 +176,25 @@ def _case_first_token():
     return (lambda: col_nn.LayerNorm(H)), lambda: [(_act(B, S, H, seed=13), 'act', True)], run
 
 
+class _QKV(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.value = (col_nn.Linear(H, H, region='enter') for _ in range(3))
+
+
+def _case_fused_qkv():
+    """``col_nn.project_qkv`` (fused in this family); the serial fused projection equals
+    three serial linears in tests/test_fused_qkv.py."""
+    def run(layout, m, x):
+        q, k, v = col_nn.project_qkv(x, m.query, m.key, m.value)
+        y = q * k + v
+        return y, 'act', _upstream(layout, y, 'act')
+    return _QKV, lambda: [(_act(B, S, H, seed=14), 'act', True)], run
+
+
 LAYER_CASES = {
     'linear_enter': _case_linear('enter', True, H, 2 * H),
+    'fused_qkv': _case_fused_qkv(),
     'linear_exit_nobias': _case_linear('exit', False, 2 * H, H),
     'linear_none': _case_linear(None, True, H, H),
     'layernorm': _case_layernorm(),

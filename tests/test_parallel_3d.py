@@ -19,7 +19,7 @@ from colossal_lite.nn.parallel_3d import (AttentionCore3D, Classifier3D, Dropout
                                           LayerNorm3D, Linear3D, PatchEmbedding3D,
                                           VocabParallelClassifier3D, VocabParallelEmbedding3D,
                                           default_cube, first_token_3d, gather_activation,
-                                          split_activation)
+                                          qkv_3d, split_activation)
 from colossal_lite.formulas import linear_3d_bytes
 from colossal_lite.testing import assert_matches_serial, max_rel_diff, run_distributed
 from colossal_lite.tensor import gather_full
@@ -147,6 +147,33 @@ def _attention_checks(out, cube):
         _diff(out, f'attention.d{"qkv"[k]}', gather_activation(a.grad, cube.swapped), b.grad)
 
 
+class _QKV(nn.Module):
+    """q * k + v from three projections: fused (``qkv_3d``) or three serial nn.Linear."""
+
+    def __init__(self, make, fused):
+        super().__init__()
+        self.fused = fused
+        self.query, self.key, self.value = (make() for _ in range(3))
+
+    def forward(self, x):
+        if self.fused:
+            q, k, v = qkv_3d(x, self.query, self.key, self.value)
+        else:
+            q, k, v = self.query(x), self.key(x), self.value(x)
+        return q * k + v
+
+
+def _fused_qkv_checks(out, cube):
+    torch.manual_seed(6)
+    ser = _QKV(lambda: nn.Linear(H, H), fused=False)
+    x = torch.randn(B, S, H)
+    for name, keep in (('fused_qkv', False), ('fused_qkv_keep', True)):
+        par = _QKV(lambda: Linear3D(H, H, region='enter', keep_gathered=keep), fused=True)
+        par.load_state_dict(ser.state_dict())
+        ser.zero_grad()
+        _run_pair(out, name, par, ser, x, cube, cube.standard, cube.swapped)
+
+
 def _dropout_and_error_checks(out, cube):
     drop = Dropout3D(0.5)
     x = split_activation(torch.randn(B, S, H), cube.standard).requires_grad_()
@@ -192,7 +219,7 @@ def layer_worker(rank):
     cube = default_cube()
     out = {}
     for check in (_linear_checks, _norm_embed_checks, _head_checks, _attention_checks,
-                  _dropout_and_error_checks, _comm_checks):
+                  _fused_qkv_checks, _dropout_and_error_checks, _comm_checks):
         check(out, cube)
     return out
 
@@ -205,7 +232,8 @@ def layer_results():
 @pytest.mark.parametrize('group', ['linear_chain', 'linear_chain_keep', 'layernorm', 'embedding',
                                    'vocab_embedding',
                                    'patch', 'classifier', 'vocab_classifier', 'attention',
-                                   'dropout', 'error', 'bytes', 'calls'])
+                                   'fused_qkv', 'fused_qkv_keep', 'dropout', 'error', 'bytes',
+                                   'calls'])
 def test_3d_layer_equals_serial(layer_results, group):
     for rank, res in enumerate(layer_results):
         items = {k: v for k, v in res.items() if k.split('.')[0] in (group, group + '_init')

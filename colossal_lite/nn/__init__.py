@@ -1,10 +1,10 @@
 """Parallel layers behind mode-dispatching facades, and the losses."""
 from .layers import (AttentionCore, Classifier, CrossEntropyLoss, Dropout, Embedding, LayerNorm,
                      Linear, PatchEmbedding, VocabParallelClassifier, VocabParallelEmbedding,
-                     gather_logits, first_token)
+                     gather_logits, first_token, project_qkv)
 from .registry import implementation, register
 from . import optimizer
 
 __all__ = ['AttentionCore', 'Classifier', 'CrossEntropyLoss', 'Dropout', 'Embedding', 'LayerNorm',
            'Linear', 'PatchEmbedding', 'VocabParallelClassifier', 'VocabParallelEmbedding',
-           'gather_logits', 'first_token', 'implementation', 'register', 'optimizer']
+           'gather_logits', 'first_token', 'project_qkv', 'implementation', 'register', 'optimizer']

@@ -79,6 +79,17 @@ def AttentionCore(head_dim: int, causal: bool = False, dropout: float = 0.0,
     return core
 
 
+def project_qkv(x, query, key, value):
+    """``(query(x), key(x), value(x))`` for three 'enter' Linears of this mode.
+
+    Every family fuses them into one matmul over the blocked rows ``[q_r; k_r; v_r]``
+    of each rank (1D: one backward all_reduce of dx instead of three; sequence: one GEMM;
+    2D/2.5D: one SUMMA linear; 3D: one cube linear); the parameters stay the three
+    layers' own, so state-dict keys and initial weights do not change.
+    """
+    return implementation('qkv')(x, query, key, value)
+
+
 def CrossEntropyLoss(ignore_index: int = -100, reduction: str = 'mean',
                      vocab_parallel: Optional[bool] = None, **kwargs):
     """Cross entropy of a Classifier's or VocabParallelClassifier's logits against full labels.

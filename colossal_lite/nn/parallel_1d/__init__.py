@@ -2,7 +2,7 @@
 from ..registry import register
 from .layers import (Classifier1D, ColumnLinear1D, Dropout1D, Embedding1D, LayerNorm1D,
                      PatchEmbedding1D, RowLinear1D, VocabParallelClassifier1D,
-                     VocabParallelEmbedding1D, default_axis, linear_1d)
+                     VocabParallelEmbedding1D, default_axis, linear_1d, qkv_1d)
 from ..losses import CrossEntropyLoss, gather_logits
 from .losses import AttentionCore1D, first_token_1d
 
@@ -19,7 +19,8 @@ for _mode in (None, '1d'):
     register(_mode, 'attention_core')(AttentionCore1D)
     register(_mode, 'gather_logits')(gather_logits)
     register(_mode, 'first_token')(first_token_1d)
+    register(_mode, 'qkv')(qkv_1d)
 
 __all__ = ['Classifier1D', 'ColumnLinear1D', 'Dropout1D', 'Embedding1D', 'LayerNorm1D',
            'PatchEmbedding1D', 'RowLinear1D', 'VocabParallelClassifier1D',
-           'VocabParallelEmbedding1D', 'AttentionCore1D', 'first_token_1d', 'default_axis', 'linear_1d']
+           'VocabParallelEmbedding1D', 'AttentionCore1D', 'first_token_1d', 'default_axis', 'linear_1d', 'qkv_1d']

@@ -114,6 +114,78 @@ def linear_1d(in_features: int, out_features: int, bias: bool = True,
     raise ValueError(f"Linear region must be 'enter', 'exit' or None, got {region!r}")
 
 
+def qkv_1d(x, query: ColumnLinear1D, key: ColumnLinear1D, value: ColumnLinear1D):
+    """Fused, head-aligned q/k/v projection of three 'enter' ColumnLinear1D over one axis.
+
+    Each layer holds its rows ``[h/p, h]`` (rank r: heads r*n/p .. (r+1)*n/p - 1), so
+    ``cat(Wq_r, Wk_r, Wv_r)`` is rank r's block of the blocked fused weight
+    ``W[3h, h]`` with ``W_r = [q_r; k_r; v_r]``. Input replicated ``[.., h]``; one matmul
+    -> ``[.., 3h/p]``, returned as three ``[.., h/p]`` views. Forward: none. Backward:
+    one all_reduce of dx (not three); the concatenation's gradient splits back into
+    the three layers' own parameters. The layers' forward hooks (e.g. ZeRO's chunk
+    gathering) fire as if each were called: every pre-hook before the matmul, every
+    hook after it on the layer's own output view.
+    """
+    layers = (query, key, value)
+    check_qkv_layers(layers, ColumnLinear1D, lambda layer: not layer.gather_output
+                     and layer.axis.group is query.axis.group, "'enter' (gather_output=False) "
+                     'over one axis')
+    return fused_projection(x, layers, lambda w, b: column_matmul(x, w, b, query.axis))
+
+
+def check_qkv_layers(layers, cls: type, same: Callable, what: str):
+    """Raise ValueError unless every layer is a ``cls`` with ``same(layer)`` and the
+    query's in_features (checked before any hook or collective)."""
+    for name, layer in zip(('query', 'key', 'value'), layers):
+        if not isinstance(layer, cls) or not same(layer) \
+                or layer.in_features != layers[0].in_features:
+            raise ValueError(f'fused qkv needs three {cls.__name__} layers, {what}, with '
+                             f'in_features {layers[0].in_features}; {name} is '
+                             f'{type(layer).__name__} (in_features '
+                             f"{getattr(layer, 'in_features', None)})")
+
+
+def fused_projection(x, layers, project: Callable, split: Optional[Callable] = None) -> tuple:
+    """``layers``' outputs on ``x`` from one ``project(cat(weights), cat(biases) or None)``
+    (the local weights concatenated along their output rows), cut back into one output per
+    layer by ``split(y)`` (default: views of the local rows' widths); the layers' forward
+    hooks fire around it (:func:`as_called`)."""
+    if len({layer.bias is None for layer in layers}) > 1:
+        raise ValueError('a fused projection needs a bias in every layer or in none: '
+                         f'{[layer.bias is not None for layer in layers]}')
+
+    def fused():
+        weight = torch.cat([layer.weight for layer in layers])
+        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+        y = project(weight, bias)
+        if split is not None:
+            return split(y)
+        return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
+    return as_called(layers, x, fused)
+
+
+def as_called(layers, x, compute: Callable[[], tuple]) -> tuple:
+    """``compute()`` (one output per layer) run as if each layer were called on ``x``:
+    every layer's forward pre-hooks first, then ``compute``, then each layer's forward
+    hooks on its own output. Hooks taking kwargs or returning replacements raise
+    NotImplementedError."""
+    if any(layer._forward_pre_hooks_with_kwargs or layer._forward_hooks_with_kwargs
+           for layer in layers):
+        raise NotImplementedError('a fused projection does not run forward hooks that take kwargs')
+    for layer in layers:
+        for hook in list(layer._forward_pre_hooks.values()):
+            if hook(layer, (x,)) is not None:
+                raise NotImplementedError('a fused projection does not run pre-hooks that '
+                                          'replace inputs')
+    outputs = tuple(compute())
+    for layer, out in zip(layers, outputs):
+        for hook in list(layer._forward_hooks.values()):
+            if hook(layer, (x,), out) is not None:
+                raise NotImplementedError('a fused projection does not run hooks that '
+                                          'replace outputs')
+    return outputs
+
+
 class VocabParallelEmbedding1D(ShardedModule):
     """Lookup with the vocabulary split: weight [V, h] -> [V/p, h]; out replicated [b, s, h].
 

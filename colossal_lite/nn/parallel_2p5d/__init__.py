@@ -7,7 +7,7 @@ from ..registry import register
 from .grid import Grid2p5D
 from .layers import (Classifier2p5D, Dropout2p5D, Embedding2p5D, LayerNorm2p5D, Linear2p5D,
                      PatchEmbedding2p5D, SummaAffine2p5D, VocabParallelClassifier2p5D,
-                     VocabParallelEmbedding2p5D)
+                     VocabParallelEmbedding2p5D, qkv_2p5d)
 from ..losses import CrossEntropyLoss, gather_logits
 from .losses import AttentionCore2p5D, first_token_2p5d
 from .summa import SummaLinear, summa_linear, summa_loop
@@ -25,6 +25,7 @@ FAMILY = {
     'attention_core': AttentionCore2p5D,
     'gather_logits': gather_logits,
     'first_token': first_token_2p5d,
+    'qkv': qkv_2p5d,
 }
 
 
@@ -38,5 +39,5 @@ register_family('2.5d')
 
 __all__ = ['Grid2p5D', 'Classifier2p5D', 'Dropout2p5D', 'Embedding2p5D', 'LayerNorm2p5D',
            'Linear2p5D', 'PatchEmbedding2p5D', 'SummaAffine2p5D', 'VocabParallelClassifier2p5D',
-           'VocabParallelEmbedding2p5D', 'AttentionCore2p5D', 'first_token_2p5d', 'SummaLinear', 'summa_linear', 'summa_loop',
+           'VocabParallelEmbedding2p5D', 'AttentionCore2p5D', 'first_token_2p5d', 'qkv_2p5d', 'SummaLinear', 'summa_linear', 'summa_loop',
            'FAMILY', 'register_family']

@@ -20,8 +20,9 @@ from ...communication import copy_to, reduce_from, reduce_scatter_to
 from ...context import ParallelMode, seed
 from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
 from ..functional import check_ids, vocab_range_lookup
-from ..parallel_1d.layers import (PatchParameters, embedding_init, linear_bias_init,
-                                  linear_weight_init, ones_init, zeros_init)
+from ..parallel_1d.layers import (PatchParameters, check_qkv_layers, embedding_init,
+                                  fused_projection, linear_bias_init, linear_weight_init,
+                                  ones_init, zeros_init)
 from .grid import Grid2p5D, resolve_grid
 from .summa import summa_linear
 
@@ -77,6 +78,26 @@ class Linear2p5D(SummaAffine2p5D):
         if region not in ('enter', 'exit', None):
             raise ValueError(f"Linear region must be 'enter', 'exit' or None, got {region!r}")
         super().__init__(in_features, out_features, bias, **kwargs)
+
+
+def qkv_2p5d(x, query: SummaAffine2p5D, key: SummaAffine2p5D, value: SummaAffine2p5D):
+    """Fused, head-aligned q/k/v projection: one SUMMA linear over the blocked weight.
+
+    Rank (k, i, j) holds ``W_q``'s block (out-chunk i, in-chunk j) ``[h/q, h/q]``, and so
+    for k and v; ``cat`` of the three is block (i, j) of the blocked fused weight
+    ``W [3h, h]`` whose out-chunk i is ``[q_i; k_i; v_i]`` (heads i*n/q .. (i+1)*n/q - 1),
+    so the SUMMA output chunk j ``[b', s, 3h/q]`` splits into q_j, k_j, v_j with the
+    standard layout, and the bias ``[bq_j; bk_j; bv_j]`` is shared once. Communication:
+    one SummaLinear on ``[3h/q, h/q]`` blocks (the bytes of three, a third of the calls).
+    """
+    layers = (query, key, value)
+    check_qkv_layers(layers, SummaAffine2p5D, lambda layer: layer.grid == query.grid,
+                     'on one grid')
+
+    def project(weight, bias):
+        y = summa_linear(x, weight, query.grid)
+        return y + query.grid.shared(bias) if bias is not None else y
+    return fused_projection(x, layers, project)
 
 
 class VocabParallelClassifier2p5D(SummaAffine2p5D):

@@ -23,8 +23,9 @@ from ...context import ParallelMode, seed
 from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
 from .._grid import shared_over
 from ..functional import check_ids, matmul_dtype, vocab_range_lookup
-from ..parallel_1d.layers import (PatchParameters, embedding_init, linear_bias_init,
-                                  linear_weight_init, ones_init, zeros_init)
+from ..parallel_1d.layers import (PatchParameters, check_qkv_layers, embedding_init,
+                                  fused_projection, linear_bias_init, linear_weight_init,
+                                  ones_init, zeros_init)
 from .cube import (ActLayout, Cube3D, Orientation, check_batch, default_cube, split_batch,
                    sum_partials, swap_layout)
 
@@ -138,6 +139,32 @@ class Linear3D(ShardedModule):
                              f'{self.in_features}/{self.cube.q}, got {x.shape[-1]}')
         y = _CubeLinear.apply(x, self.weight, self.bias, self.orient, self.keep_gathered)
         return swap_layout(y, self.cube) if self.region is None else y
+
+
+def qkv_3d(x, query: Linear3D, key: Linear3D, value: Linear3D):
+    """Fused q/k/v projection: one 'enter' cube matmul over the three weights' shards.
+
+    Rank (i, j, l) holds rows chunk ``j*q + i`` (``h/q^2`` rows) of each of W_q, W_k, W_v;
+    ``cat`` gives ``[q_{jq+i}; k_{jq+i}; v_{jq+i}]``, and the all_gather over INPUT stacks
+    these for i = 0..q-1, so the fused output ``[.., 3h/q]`` (hidden chunk j, swapped
+    layout) is ordered (i, {q, k, v}, h/q^2); regrouping by {q, k, v} (a copy) gives each
+    its ``[.., h/q]`` chunk j, heads j*n/q .. (j+1)*n/q - 1 as the three linears would.
+    Communication: one 'enter' Linear3D on the fused shards (the bytes of three, a third
+    of the calls).
+    """
+    layers = (query, key, value)
+    check_qkv_layers(layers, Linear3D, lambda layer: layer.region == 'enter'
+                     and layer.orient == query.orient and layer.out_features == query.out_features
+                     and layer.keep_gathered == query.keep_gathered,
+                     "'enter', equal out_features, one cube")
+    q = query.orient.w_gather.size
+
+    def project(weight, bias):
+        return _CubeLinear.apply(x, weight, bias, query.orient, query.keep_gathered)
+
+    def split(y):
+        return tuple(t.flatten(-2) for t in y.unflatten(-1, (q, len(layers), -1)).unbind(-2))
+    return fused_projection(x, layers, project, split)
 
 
 class VocabParallelClassifier3D(Linear3D):

@@ -3,7 +3,7 @@
 Every kind of ``nn/registry.py`` is registered here explicitly; per-token layers
 are the 1D layers over a one-rank group (``LayerNorm1D``, the 1D linear).
 """
-from ..parallel_1d import LayerNorm1D
+from ..parallel_1d import LayerNorm1D, qkv_1d
 from ..registry import register
 from .layers import (RingAttentionCore, SequenceClassifier, SequenceDropout, SequenceEmbedding,
                      SequencePatchEmbedding, SequenceVocabClassifier, check_sequence_length,
@@ -25,6 +25,7 @@ register('sequence', 'cross_entropy')(SequenceCrossEntropyLoss)
 register('sequence', 'attention_core')(RingAttentionCore)
 register('sequence', 'gather_logits')(gather_logits)
 register('sequence', 'first_token')(first_token_sequence)
+register('sequence', 'qkv')(qkv_1d)  # one matmul over the replicated weights
 
 __all__ = ['RingAttentionCore', 'SequenceClassifier', 'SequenceDropout', 'SequenceEmbedding',
            'SequencePatchEmbedding', 'SequenceVocabClassifier', 'SequenceCrossEntropyLoss',
