@@ -114,7 +114,7 @@ def _expected_mib(ranks=4, steps=4, eval_batches=2, b=4, s=16, h=32, layers=1, v
                   positions=16, p=2):
     """docs/cli_and_data.md's byte formulas for TINY (dp=2 x 1D tp=2), summed over ranks."""
     act, ce = 4 * b * s * h, 3 * 4 * b * s
-    tp = steps * (act * (3 + 6 * layers) + ce) + eval_batches * (act * (2 + 2 * layers) + ce)
+    tp = steps * (act * (3 + 4 * layers) + ce) + eval_batches * (act * (2 + 2 * layers) + ce)
     block = 4 * h + 3 * (h * h + h) // p + h * h // p + h + 2 * (4 * h * h // p) + 4 * h // p + h
     local_params = (vocab + positions) * h // p + layers * block + 2 * h
     data = steps * (4 * local_params + 8) + 16
