@@ -51,6 +51,7 @@ class ParallelContext:
         self._axes: Dict[ParallelMode, ProcessGroupAxis] = {}
         self._owns_default_group = False
         self._described_rank: Optional[int] = None
+        self.meshes: Dict = {}  # (layout, device type) -> DeviceMesh (tensor.layout_mesh)
 
     # ---------------------------------------------------------------- set-up
     def init_global_dist(self, rank: int, world_size: int, backend: str, init_method: str,
@@ -169,6 +170,7 @@ class ParallelContext:
         if dist.is_initialized() and self._owns_default_group:
             dist.destroy_process_group()
         self._axes.clear()
+        self.meshes.clear()
         self.layout = None
         self.config = Config()
         self._owns_default_group = False

@@ -193,13 +193,18 @@ def tag(tensor: torch.Tensor, *cuts: Tuple[int, AxisOrMode]) -> torch.Tensor:
 # ---------------------------------------------------------------------------- DeviceMesh
 def layout_mesh(layout, device_type: Optional[str] = None):
     """A ``DeviceMesh`` with one named dim per grid axis of the launched ``layout``
-    (``pipe, data, <tensor sub-axes>``); collective: every rank calls it."""
+    (``pipe, data, <tensor sub-axes>``); collective the first time (every rank calls it),
+    then kept by the context until ``destroy()``, so repeated calls create no new groups."""
     from torch.distributed.device_mesh import init_device_mesh
     from ..context.layout import axes_of
-    axes = axes_of(layout)
-    device_type = device_type or current_context().device.type
-    return init_device_mesh(device_type, tuple(size for _, size in axes),
-                            mesh_dim_names=tuple(name for name, _ in axes))
+    ctx = current_context()
+    device_type = device_type or ctx.device.type
+    key = (layout, device_type)
+    if key not in ctx.meshes:
+        axes = axes_of(layout)
+        ctx.meshes[key] = init_device_mesh(device_type, tuple(size for _, size in axes),
+                                           mesh_dim_names=tuple(name for name, _ in axes))
+    return ctx.meshes[key]
 
 
 def to_dtensor(local: torch.Tensor, placement: Placement, mesh, layout):
