@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks._common import environment, print_table, timed_ratios, write_json  # noqa: E402
+from benchmarks._common import (adamw_step as step_fn, environment, print_table,  # noqa: E402
+                                timed_ratios, write_json)
 from model_zoo import GPTLMLoss  # noqa: E402
 from model_zoo.hf import gpt_from_hf  # noqa: E402
 
@@ -33,16 +34,6 @@ def build(args):
     hf = transformers.GPT2LMHeadModel(cfg)
     ours = gpt_from_hf(hf)
     return hf.train(), ours.train()
-
-
-def step_fn(model, loss_fn, ids):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model, ids).backward()
-        opt.step()
-    return step
 
 
 def check_equal(hf, ours, ids) -> dict:

@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks._common import environment, print_table, timed_ratios, write_json  # noqa: E402
+from benchmarks._common import (adamw_step as step_fn, environment, print_table,  # noqa: E402
+                                timed_ratios, write_json)
 
 
 def hf_model(args):
@@ -88,16 +89,6 @@ def torch_tp(hf, tp: int):
                                          'mlp.c_fc': ColwiseParallel(),
                                          'mlp.c_proj': RowwiseParallel()})
     return model
-
-
-def step_fn(model, loss_fn, ids):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model, ids).backward()
-        opt.step()
-    return step
 
 
 def bench_rank(rank, args):
