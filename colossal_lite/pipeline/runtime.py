@@ -37,6 +37,7 @@ from ..tensor.placement import param_placement
 from .config import PipelineSettings
 from .p2p import (BACKWARD, FORWARD, StageLink, input_signature, message_key,
                   release_points)
+from .simulator import simulate
 from .split_backward import SplitBackward
 from .schedules import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, PipeShape,
                         build_schedule, lower)
@@ -48,18 +49,8 @@ def forward_only_actions(shape: PipeShape) -> Dict[int, List[Action]]:
     orders = {r: [Action(F, s, m) for m in range(shape.microbatches) for s in shape.stages_of(r)]
               for r in range(shape.ranks)}
     lowered = lower(shape, orders)
-    simulate_forward(shape, lowered)
+    simulate(shape, lowered, forward_only=True)
     return lowered
-
-
-def simulate_forward(shape: PipeShape, lowered):
-    """The simulator's deadlock and message checks for a forward-only list."""
-    from .simulator import _Run
-    run = _Run(shape, lowered)
-    run.check_complete = lambda: None  # no backward by design
-    run.run()
-    if run.posted:
-        raise RuntimeError(f'forward-only schedule left messages unreceived: {sorted(run.posted)}')
 
 
 def _call_stage(engine, inputs, stage_input, stage: int):

@@ -52,8 +52,8 @@ def _message_key(action: Action) -> Tuple[str, int, int]:
 
 
 class _Run:
-    def __init__(self, shape: PipeShape, actions: Dict[int, Order]):
-        self.shape, self.actions = shape, actions
+    def __init__(self, shape: PipeShape, actions: Dict[int, Order], forward_only: bool = False):
+        self.shape, self.actions, self.forward_only = shape, actions, forward_only
         self.split = any(a.kind == W for order in actions.values() for a in order)
         self.cost = costs(self.split)
         self.pos = {r: 0 for r in actions}
@@ -147,19 +147,21 @@ class _Run:
     def check_complete(self):
         if self.posted:
             raise ScheduleError(f'sent but never received: {sorted(self.posted)}')
-        kinds = (F, B, W) if self.split else (F, B)
+        kinds = (F,) if self.forward_only else (F, B, W) if self.split else (F, B)
         missing = [(k, s, m) for k in kinds for s in range(self.shape.stages)
                    for m in range(self.shape.microbatches) if (k, s, m) not in self.done]
         if missing:
             raise ScheduleError(f'never computed: {missing[:8]}{"..." if len(missing) > 8 else ""}')
 
 
-def simulate(shape: PipeShape, actions: Dict[int, Order]) -> SimResult:
-    """Dry-run ``actions`` (see module doc); raises :class:`ScheduleError` on any fault."""
+def simulate(shape: PipeShape, actions: Dict[int, Order], forward_only: bool = False
+             ) -> SimResult:
+    """Dry-run ``actions`` (see module doc); raises :class:`ScheduleError` on any fault.
+    ``forward_only``: the lists hold forwards only (evaluation), none is missing a backward."""
     if sorted(actions) != list(range(shape.ranks)):
         raise ScheduleError(f'expected action lists for ranks 0..{shape.ranks - 1}, got '
                             f'{sorted(actions)}')
-    return _Run(shape, actions).run()
+    return _Run(shape, actions, forward_only).run()
 
 
 def timeline(result: SimResult) -> str:
