@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument('--nproc', type=int, default=1, help='local processes to start (default 1)')
     train.add_argument('--steps', type=int, default=None, help="override the config's train.steps")
     train.add_argument('--port', type=int, default=0, help='rendezvous port (default: a free one)')
+    train.set_defaults(run=train_command)
+    from .commands import add_parsers
+    add_parsers(sub)
     return parser
 
 
@@ -98,6 +101,19 @@ def train_command(args, entrypoint=None) -> int:
     except NotImplementedError as exc:
         print(f'colossal-lite: not supported yet by {args.config}: {exc}', file=sys.stderr)
         return 2
+    print(f'colossal-lite: {spec.kind} on {args.nproc} process(es), layout data={layout.data} '
+          f'pipeline={layout.pipeline} tensor={layout.tensor} ({layout.mode or "none"})', flush=True)
+    if entrypoint is None:
+        from .worker import worker_main as entrypoint
+    return run_local_workers(args.nproc, args.port, entrypoint, os.path.abspath(args.config),
+                             args.steps, what='training')
+
+
+def run_local_workers(nproc: int, port: int, entrypoint, *entry_args, what: str = 'the run',
+                      max_restarts: int = 0) -> int:
+    """Run ``entrypoint(*entry_args)`` on ``nproc`` local processes through torch's elastic
+    launcher (``OMP_NUM_THREADS=1``, rendezvous on ``127.0.0.1:port``); the exit status: 0,
+    1 when a worker failed (one line per failed rank on stderr), 130 on Ctrl-C."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -105,20 +121,15 @@ def train_command(args, entrypoint=None) -> int:
     os.environ['OMP_NUM_THREADS'] = '1'
     logging.getLogger('torch.distributed.elastic').setLevel(logging.CRITICAL)  # we report failures
     launch_config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend='c10d', rdzv_endpoint=f'127.0.0.1:{args.port}', max_restarts=0,
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+        rdzv_backend='c10d', rdzv_endpoint=f'127.0.0.1:{port}', max_restarts=max_restarts,
         monitor_interval=0.2, start_method=start_method())
-    print(f'colossal-lite: {spec.kind} on {args.nproc} process(es), layout data={layout.data} '
-          f'pipeline={layout.pipeline} tensor={layout.tensor} ({layout.mode or "none"})', flush=True)
-    if entrypoint is None:
-        from .worker import worker_main as entrypoint
     from .failures import FirstExit, failure_message, run_worker
     try:
         with FirstExit() as first_exit:
-            elastic_launch(launch_config, run_worker)(entrypoint, os.path.abspath(args.config),
-                                                      args.steps)
+            elastic_launch(launch_config, run_worker)(entrypoint, *entry_args)
     except ChildFailedError as err:
-        print(f'colossal-lite: training stopped, every process was ended:\n'
+        print(f'colossal-lite: {what} stopped, every process was ended:\n'
               f'{failure_message(err, first_exit)}', file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SignalException) as exc:
@@ -129,9 +140,7 @@ def train_command(args, entrypoint=None) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == 'train':
-        return train_command(args)
-    return 2
+    return args.run(args)
 
 
 if __name__ == '__main__':
