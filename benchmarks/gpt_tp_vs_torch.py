@@ -18,7 +18,16 @@ The script checks that both give the same loss on the same batch, then times for
 loss + backward + AdamW step, alternated round by round, on tp forked ranks (gloo, one
 thread each), and reports rank 0's median per-round ratio ours / torch on wall and CPU
 time, and tokens/s. Target: ours >= 1.0x torch's tokens/s (ratio of times <= 1.0).
-Peak memory is not measured here.
+
+Peak memory is measured apart, each side alone in fresh ranks (so the other side's model is
+not resident): the HF model is built and dropped, one warm-up step allocates the AdamW
+state, then the peak RSS is reset (``benchmarks/_memory.py``: ``malloc_trim`` +
+``/proc/self/clear_refs``) and ``--memory-steps`` steps run. Reported per side, as the
+maximum over ranks: ``peak_rss_bytes`` (the steady-state peak of a training step; the
+torch runtime, the same for both sides, included), ``step_growth_bytes`` (that peak minus
+the RSS before the steps: gradients, activations, logits) and ``model_data_bytes`` (live
+tensor storages after a step: parameters + AdamW state + what the step keeps). Target:
+ours <= torch's peak.
 
     python benchmarks/gpt_tp_vs_torch.py [--tp 2 4 --hidden 512 --layers 8 --seq 128 --batch 8]
 Writes benchmarks/results/gpt_tp_vs_torch.json.
@@ -91,24 +100,65 @@ def torch_tp(hf, tp: int):
     return model
 
 
-def bench_rank(rank, args):
-    warnings.filterwarnings('ignore')
+def batch(args) -> torch.Tensor:
+    return torch.randint(0, args['vocab'], (args['batch'], args['seq']),
+                         generator=torch.Generator().manual_seed(0))
+
+
+def build_sides(args, sides=('ours', 'torch')):
+    """``{side: (model, loss_fn(model, ids))}`` built from one HF model (dropped after)."""
     from model_zoo import GPTLMLoss
     from model_zoo.hf import gpt_from_hf
     hf = hf_model(args)
-    ours, theirs = gpt_from_hf(hf).train(), torch_tp(hf, args['tp'])
-    del hf
-    ids = torch.randint(0, args['vocab'], (args['batch'], args['seq']),
-                        generator=torch.Generator().manual_seed(0))
     loss = GPTLMLoss()
+    built = {}
+    if 'ours' in sides:
+        built['ours'] = (gpt_from_hf(hf).train(), lambda m, x: loss(m(x), x))
+    if 'torch' in sides:
+        built['torch'] = (torch_tp(hf, args['tp']), lambda m, x: m(x, labels=x).loss)
+    del hf
+    return built
+
+
+def bench_rank(rank, args):
+    warnings.filterwarnings('ignore')
+    built, ids = build_sides(args), batch(args)
     with torch.no_grad():
-        ours_loss, torch_loss = loss(ours(ids), ids).item(), theirs(ids, labels=ids).loss.item()
+        ours_loss, torch_loss = (fn(model, ids).item() for model, fn in
+                                 (built['ours'], built['torch']))
     if abs(ours_loss - torch_loss) > 1e-5 * max(1.0, abs(torch_loss)):
         raise RuntimeError(f'losses differ: ours {ours_loss}, torch {torch_loss}')
-    runs = {'ours': step_fn(ours, lambda m, x: loss(m(x), x), ids),
-            'torch': step_fn(theirs, lambda m, x: m(x, labels=x).loss, ids)}
+    runs = {side: step_fn(model, fn, ids) for side, (model, fn) in built.items()}
     timed = timed_ratios(runs, 'ours', 'torch', args['repeats'], args['steps'])
     return {'check': {'ours_loss': ours_loss, 'torch_loss': torch_loss}, 'timed': timed}
+
+
+def memory_rank(rank, args, side):
+    """One side alone: its steady-state training-step memory on this rank (bytes)."""
+    from benchmarks._memory import live_tensor_bytes, peak_rss, reset_peak, rss_bytes
+    warnings.filterwarnings('ignore')
+    (model, fn), = build_sides(args, (side,)).values()
+    step = step_fn(model, fn, batch(args))
+    step()  # allocates the AdamW state
+    reset_peak()
+    before = rss_bytes()
+    for _ in range(args['memory_steps']):
+        step()
+    peak = peak_rss()
+    return {'peak_rss_bytes': peak, 'step_growth_bytes': peak - before,
+            'model_data_bytes': live_tensor_bytes()}
+
+
+def measure_memory(args, tp, config) -> dict:
+    """``{side: {measure: max over ranks}}`` and the ratios ours / torch."""
+    from colossal_lite.testing import run_distributed
+    out = {}
+    for side in ('ours', 'torch'):
+        per_rank = run_distributed(memory_rank, tp, config, args, side, timeout=1200,
+                                   collective_timeout=600)
+        out[side] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    out['ratio_ours_over_torch'] = {k: out['ours'][k] / out['torch'][k] for k in out['ours']}
+    return out
 
 
 def main():
@@ -122,6 +172,7 @@ def main():
     p.add_argument('--vocab', type=int, default=8192)
     p.add_argument('--repeats', type=int, default=7)
     p.add_argument('--steps', type=int, default=1)
+    p.add_argument('--memory-steps', type=int, default=2)
     args = vars(p.parse_args())
     from colossal_lite.testing import run_distributed
     rows = [['tp', 'clock', 'ours s/step', 'torch s/step', 'ours tokens/s', 'torch tokens/s',
@@ -131,6 +182,7 @@ def main():
         config = dict(parallel=dict(tensor=dict(size=tp, mode='1d')))
         res = run_distributed(bench_rank, tp, config, dict(args, tp=tp), timeout=1200,
                               collective_timeout=600)[0]
+        res['memory'] = measure_memory(dict(args, tp=tp), tp, config)
         results[tp] = res
         tokens = args['batch'] * args['seq']
         for clock, summary in res['timed'].items():
@@ -141,6 +193,14 @@ def main():
                          f"{tokens / med['ours']:.0f}", f"{tokens / med['torch']:.0f}",
                          f"{summary['ratio_ours_over_theirs']:.3f}"])
     print_table(rows)
+    mem_rows = [['tp', 'measure (max over ranks)', 'ours MiB', 'torch MiB', 'ratio ours/torch']]
+    for tp, res in results.items():
+        mem = res['memory']
+        for k in ('peak_rss_bytes', 'step_growth_bytes', 'model_data_bytes'):
+            mem_rows.append([str(tp), k, f"{mem['ours'][k] / 2**20:.1f}",
+                             f"{mem['torch'][k] / 2**20:.1f}",
+                             f"{mem['ratio_ours_over_torch'][k]:.3f}"])
+    print_table(mem_rows)
     print('ratio = median of per-round time ratios (alternated rounds, rank 0, train step, '
           'gloo); target <= 1.0. cpu = process CPU time incl. gloo threads; wall = elapsed')
     path = write_json('gpt_tp_vs_torch', {
@@ -149,7 +209,9 @@ def main():
         'config': args, 'target_ratio': 1.0, 'environment': environment(),
         'results': {str(tp): r for tp, r in results.items()},
         'ratios': {str(tp): {c: r['timed'][c]['ratio_ours_over_theirs'] for c in ('wall', 'cpu')}
-                   for tp, r in results.items()}})
+                   for tp, r in results.items()},
+        'memory_ratios': {str(tp): r['memory']['ratio_ours_over_torch']
+                          for tp, r in results.items()}})
     print(f'wrote {path}')
 
 
