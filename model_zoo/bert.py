@@ -11,6 +11,7 @@ from colossal_lite.pipeline.stages import StagedModel
 from colossal_lite.tensor import init_by_name
 
 from .blocks import normal_init, plan_transformer_stages, preset_config, stage_blocks, zeros_init
+from .hf import HFConvertible, constructor_args
 
 # 30522 is padded to 30528 (divisible by 64) so every tensor split divides
 BERT_PRESETS = {
@@ -20,7 +21,7 @@ BERT_PRESETS = {
 }
 
 
-class BERT(StagedModel):
+class BERT(HFConvertible, StagedModel):
     """``BERT(...)(input_ids [b, s], attention_mask=None, token_type_ids=None)``
     -> ``(mlm_logits, nsp_logits)`` (only ``mlm_logits`` when ``nsp=False``)."""
 
@@ -29,6 +30,7 @@ class BERT(StagedModel):
                  type_vocab_size: int = 2, init_std: float = 0.02, nsp: bool = True,
                  checkpoint: bool = False):
         super().__init__()
+        self.arch_args = constructor_args(locals())  # for save_hf
         with init_by_name(self):  # each weight a function of (seed, its name)
             self.max_positions = max_positions
             init = normal_init(init_std)

@@ -9,6 +9,7 @@ from colossal_lite.pipeline.stages import StagedModel
 from colossal_lite.tensor import init_by_name
 
 from .blocks import normal_init, plan_transformer_stages, preset_config, stage_blocks, zeros_init
+from .hf import HFConvertible, constructor_args
 
 VIT_PRESETS = {
     # 'tiny' fits scikit-learn's 8x8 one-channel digits
@@ -21,13 +22,14 @@ VIT_PRESETS = {
 }
 
 
-class ViT(StagedModel):
+class ViT(HFConvertible, StagedModel):
     """``ViT(...)(images [b, C, H, W]) -> class logits [b, num_classes]``."""
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, num_classes: int, hidden: int,
                  layers: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.1,
                  eps: float = 1e-6, init_std: float = 0.02, checkpoint: bool = False):
         super().__init__()
+        self.arch_args = constructor_args(locals())  # for save_hf
         with init_by_name(self):  # each weight a function of (seed, its name)
             patches = (img_size // patch_size) ** 2
             plan_transformer_stages(
