@@ -80,7 +80,7 @@ def all_reduce(tensor: torch.Tensor, axis: AxisLike, op=dist.ReduceOp.SUM,
     ax = resolve(axis)
     if ax.size == 1:
         return _done(tensor, async_op)
-    out = tensor if inplace else tensor.detach().contiguous().clone()
+    out = tensor if inplace else tensor.detach().clone(memory_format=torch.contiguous_format)
     record(ax.mode, 'all_reduce', _nbytes(out), ax.size)
     work = dist.all_reduce(out, op=op, group=ax.group, async_op=async_op)
     return _run(work, lambda: out, async_op)
@@ -132,7 +132,7 @@ def broadcast(tensor: torch.Tensor, axis: AxisLike, src: int = 0, async_op: bool
     ax = resolve(axis)
     if ax.size == 1:
         return _done(tensor, async_op)
-    out = tensor if inplace else tensor.detach().contiguous().clone()
+    out = tensor if inplace else tensor.detach().clone(memory_format=torch.contiguous_format)
     record(ax.mode, 'broadcast', _nbytes(out), ax.size)
     work = dist.broadcast(out, src=ax.global_rank(src), group=ax.group, async_op=async_op)
     return _run(work, lambda: out, async_op)

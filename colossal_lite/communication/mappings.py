@@ -38,12 +38,14 @@ class _CopyTo(torch.autograd.Function):
 
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis):
-        return C.all_reduce(x, axis)
+    def forward(ctx, x, axis, inplace):
+        if inplace:
+            ctx.mark_dirty(x)
+        return C.all_reduce(x, axis, inplace=inplace)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _SplitTo(torch.autograd.Function):
@@ -101,10 +103,12 @@ def copy_to(x: torch.Tensor, axis: AxisLike) -> torch.Tensor:
     return x if trivial else _CopyTo.apply(x, ax)
 
 
-def reduce_from(x: torch.Tensor, axis: AxisLike) -> torch.Tensor:
-    """Partial sums all-reduced forward; gradient passed through backward."""
+def reduce_from(x: torch.Tensor, axis: AxisLike, inplace: bool = False) -> torch.Tensor:
+    """Partial sums all-reduced forward; gradient passed through backward. ``inplace``: ``x``
+    is the caller's own temporary (e.g. a matmul's output nothing else reads), reduced in
+    its own buffer instead of a copy."""
     ax, trivial = _skip(axis)
-    return x if trivial else _ReduceFrom.apply(x, ax)
+    return x if trivial else _ReduceFrom.apply(x, ax, inplace)
 
 
 def split_to(x: torch.Tensor, axis: AxisLike, dim: int) -> torch.Tensor:

@@ -46,13 +46,22 @@ class CommStats:
     def __init__(self):
         self._calls: Dict[Key, int] = defaultdict(int)
         self._bytes: Dict[Key, int] = defaultdict(int)
-        self._wire: Dict[Key, Fraction] = defaultdict(Fraction)
+        # buffer bytes per (key, group size): integers on the hot path, the exact ring
+        # factor applied when wire bytes are read
+        self._bytes_by_size: Dict[Tuple[Key, int], int] = defaultdict(int)
 
     def record(self, mode: ParallelMode, op: str, nbytes: int, group_size: int):
         key = (mode, op)
         self._calls[key] += 1
         self._bytes[key] += nbytes
-        self._wire[key] += ring_wire_bytes(op, nbytes, group_size)
+        self._bytes_by_size[(key, group_size)] += nbytes
+
+    @property
+    def _wire(self) -> Dict[Key, Fraction]:
+        wire: Dict[Key, Fraction] = defaultdict(Fraction)
+        for ((mode, op), size), n in self._bytes_by_size.items():
+            wire[(mode, op)] += ring_wire_bytes(op, n, size)
+        return wire
 
     def _sum(self, table, mode, op):
         return sum(v for (m, o), v in table.items()
@@ -73,7 +82,7 @@ class CommStats:
     def reset(self):
         self._calls.clear()
         self._bytes.clear()
-        self._wire.clear()
+        self._bytes_by_size.clear()
 
     def by_mode(self) -> Dict[str, int]:
         """Buffer bytes per mode name, for printing."""

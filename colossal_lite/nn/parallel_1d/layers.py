@@ -97,7 +97,7 @@ class RowLinear1D(ShardedModule):
     def forward(self, x):
         if not self.input_is_parallel:
             x = split_to(x, self.axis, -1)
-        y = reduce_from(F.linear(x, self.weight), self.axis)
+        y = reduce_from(F.linear(x, self.weight), self.axis, inplace=True)
         return y + self.bias if self.bias is not None else y
 
 
@@ -296,7 +296,7 @@ class Classifier1D(ShardedModule):
                                   init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
-        y = reduce_from(F.linear(split_to(x, self.axis, -1), self.weight), self.axis)
+        y = reduce_from(F.linear(split_to(x, self.axis, -1), self.weight), self.axis, inplace=True)
         return tag(y + self.bias if self.bias is not None else y)
 
 

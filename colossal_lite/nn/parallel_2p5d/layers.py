@@ -141,7 +141,7 @@ class Classifier2p5D(ShardedModule):
                                   init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
-        y = reduce_from(F.linear(x, self.grid.shared(self.weight)), self.grid.row)
+        y = reduce_from(F.linear(x, self.grid.shared(self.weight)), self.grid.row, inplace=True)
         return tag(y + self.grid.shared(self.bias) if self.bias is not None else y,
                    *batch_cuts(self.grid))
 

@@ -209,7 +209,7 @@ class Classifier3D(ShardedModule):
 
     def forward(self, x):
         tokens = (self.cube.input_x_weight,)
-        logits = reduce_from(F.linear(x, shared_over(self.weight, tokens)), self.cube.output)
+        logits = reduce_from(F.linear(x, shared_over(self.weight, tokens)), self.cube.output, inplace=True)
         if self.bias is not None:
             logits = logits + shared_over(self.bias, tokens)
         return tag_logits(logits, self.cube.standard)
