@@ -27,6 +27,9 @@ PP2 = dict(parallel=dict(pipeline=2), num_microbatches=2)          # 2 ranks
 ZERO2 = dict(zero=dict(stage=2))                                   # dp = world
 TWO_P5_D = dict(parallel=dict(tensor=dict(size=8, mode='2.5d', depth=2)))  # 8 ranks
 THREE_D = dict(parallel=dict(tensor=dict(size=8, mode='3d')))      # 8 ranks
+PP2_3D = dict(parallel=dict(pipeline=2, tensor=dict(size=8, mode='3d')), num_microbatches=2)  # 16
+PP2_TP2 = dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode='1d')), num_microbatches=2)  # 4
+TP4 = dict(parallel=dict(tensor=dict(size=4, mode='1d')))          # 4 ranks
 
 
 def _case():
@@ -102,8 +105,10 @@ def _assert_equal_states(expected, actual):
     (TP2, 2, dict(ZERO2), 2),           # 1D tp=2 -> ZeRO-2 dp=2
     (TWO_D, 4, PP2, 2),
     (THREE_D, 8, dict(TP2), 4),         # 3D q=2 -> 1D tp=2 x dp=2
+    (PP2_3D, 16, TP4, 4),               # pp=2 x 3D q=2 -> 1D tp=4
+    (TWO_D, 8, PP2_TP2, 4),             # 2D q=2 x dp=2 -> pp=2 x 1D tp=2
 ], ids=['serial-to-tp2', 'tp2dp2-to-2d', 'pp2-to-serial', 'zero2-to-tp2', 'tp2-to-zero2',
-        '2d-to-pp2', '3d-to-tp2dp2'])
+        '2d-to-pp2', '3d-to-tp2dp2', 'pp2x3d-to-tp4', '2ddp2-to-pp2tp2'])
 def test_round_trip_between_layouts_is_bit_exact(tmp_path, src, src_world, dst, dst_world):
     path = str(tmp_path / 'ckpt')
     saved = _merge(s for _, s in run_distributed(_train_and_save, src_world, src, path, 2))
