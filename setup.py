@@ -41,7 +41,7 @@ setup(
     version='0.1.0',
     description='Data, pipeline, 1D/2D/2.5D/3D tensor and sequence parallel training on PyTorch',
     packages=find_packages(include=['colossal_lite', 'colossal_lite.*', 'model_zoo', 'model_zoo.*']),
-    package_data={'colossal_lite': ['data/shakespeare/*.txt']},
+    package_data={'colossal_lite': ['data/shakespeare/*.txt', 'auto/profiles/*.json']},
     python_requires='>=3.9',
     install_requires=['torch>=2.1', 'numpy', 'tqdm', 'ninja'],
     extras_require=EXTRAS,

@@ -1,0 +1,286 @@
+"""The cost model: memory per device and step time of one candidate plan.
+
+A :class:`Candidate` is one layout the runtime can execute (pipeline P with schedule,
+chunks V, partition and M micro-batches; data D; tensor mode with size t and depth;
+ZeRO stage; activation checkpointing of every block or none). :func:`evaluate` gives its
+:class:`Estimate`: per pipeline stage the memory and the time of one micro-batch, then
+the step time. Formulas (docs/planner.md has them with their sources):
+
+* parameters per rank: ``formulas.params`` summed over the stage's layers (``model_spec``);
+* model states, fp32 Adam (docs/zero.md): none 16Ψ, ZeRO-1 8Ψ + 16Ψ/D, ZeRO-2 4Ψ + 16Ψ/D,
+  ZeRO-3 16Ψ/D;
+* activations: one block saves ``ModelShape.block_activation_bytes`` for its share of the
+  micro-batch (divided by t, except 1D, whose LayerNorm/residual/dropout parts stay
+  replicated); a checkpointed block keeps only its input and one block's activations live
+  during the recompute; times the micro-batches in flight of the schedule (GPipe M, 1F1B
+  and zero bubble P - r, interleaved (P-1-r)*2 + (V-1)*P + 1 chunk micro-batches);
+* compute: block FLOPs / t / ``flops`` (backward 2x forward, a recompute 1x);
+* tensor communication: ``formulas.block_bytes`` per block and micro-batch through the
+  profile's α-β of the family's collective (a recompute repeats the forward half);
+* stage boundaries: one p2p of the activation shard per micro-batch and direction;
+* gradient sync: ``formulas.gradient_sync_bytes`` over the data group; overlapped with the
+  last micro-batch's backward without a pipeline (both slowed 1.3x while they overlap,
+  as Galvatron-BMW measures), exposed after the pipeline flush with one;
+* step = pipeline time (bubble per schedule) + exposed gradient sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import List, Optional, Sequence, Tuple
+
+from .. import formulas
+from .cluster import ClusterProfile
+from .model_spec import ModelShape, layer_params
+
+OVERLAP_SLOWDOWN = 1.3
+_block_bytes = lru_cache(maxsize=65536)(formulas.block_bytes)
+OPTIMIZER_BYTES = {0: (16, 0), 1: (8, 16), 2: (4, 16), 3: (0, 16)}  # (bytes/Ψ, bytes/(Ψ/D))
+# (op, calls per block) of each family's tensor-parallel traffic (calls: latency terms)
+TENSOR_OPS = {'1d': ('all_reduce', 6), '2d': ('broadcast', 30), '2.5d': ('broadcast', 30),
+              '3d': ('all_gather', 60), 'sequence': ('p2p', 6)}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One executable layout (see the module doc); ``layout`` a ``ParallelLayout`` with data."""
+
+    layout: object
+    microbatches: int
+    schedule: str = '1f1b'
+    chunks: int = 1
+    partition: str = 'uniform'
+    zero: int = 0
+    checkpoint: bool = False
+
+    @property
+    def stages(self) -> int:
+        return self.layout.pipeline * self.chunks
+
+    def describe(self) -> str:
+        l = self.layout
+        mode = l.mode or 'none'
+        if l.mode == '2.5d':
+            mode += f' d={l.depth}'
+        parts = [f'D={l.data}', f'P={l.pipeline}', f't={l.tensor}({mode})',
+                 f'M={self.microbatches}']
+        if l.pipeline > 1:
+            parts.append(self.schedule + (f' V={self.chunks}' if self.chunks > 1 else '')
+                         + f' {self.partition}')
+        parts.append(f'zero={self.zero}' if self.zero else 'no zero')
+        parts.append('ckpt' if self.checkpoint else 'no ckpt')
+        return ' '.join(parts)
+
+
+@dataclass
+class Estimate:
+    """Predicted step time (s) and per-stage memory (bytes per device) of a candidate, with
+    the terms that make them up."""
+
+    candidate: Candidate
+    step_time: float
+    memory: List[float]
+    stage_time: List[float]
+    terms: dict = field(default_factory=dict)
+
+    @property
+    def peak_memory(self) -> float:
+        return max(self.memory)
+
+
+def stage_ranges(shape: ModelShape, stages: int, partition: str, layout=None) -> List[range]:
+    """The block ranges the runtime cuts for ``partition`` ('uniform' or 'parameters':
+    ``pipeline/partition.cut`` with ``transformer_weights``' parameter counts)."""
+    from ..pipeline.partition import cut
+    if stages == 1:
+        return [range(shape.layers)]
+    if partition == 'uniform':
+        return cut('uniform', shape.layers, stages)
+    if partition != 'parameters':
+        raise NotImplementedError(f"the planner predicts partitions 'uniform' and 'parameters', "
+                                  f"got {partition!r}")
+    from ..config import ParallelLayout
+    serial = ParallelLayout(1, 1, None, 1, 1)
+    h, r = shape.hidden, shape.mlp_ratio
+    block = (4 + 2 * r) * h * h + (9 + r) * h
+    first = layer_params(shape.first_layers(), None, serial)
+    last = layer_params(shape.last_layers(False), None, serial)
+    if shape.kind != 'vit':  # the tied head counted as model_zoo counts it (its vocab matrix)
+        last += shape.opts['vocab_size'] * h
+    return cut('parameters', shape.layers, stages, block, first, last)
+
+
+@lru_cache(maxsize=4096)
+def part_params(shape: ModelShape, layout, pipelined: bool) -> Tuple[int, int, int]:
+    """Elements one rank holds of a block, of the first part and of the last part."""
+    return (layer_params(shape.block_layers(), layout.mode, layout),
+            layer_params(shape.first_layers(), layout.mode, layout),
+            layer_params(shape.last_layers(pipelined), layout.mode, layout))
+
+
+def rank_parts(ranges: Sequence[range], p: int, v: int) -> List[Tuple[int, int, int, int]]:
+    """Per pipeline rank: (blocks, stages, holds the first part 0/1, holds the last 0/1)."""
+    key = (tuple((r.start, r.stop) for r in ranges), p, v)
+    if key not in _RANK_PARTS:
+        out = []
+        for rank in range(p):
+            stages = [s for s in range(p * v) if s % p == rank]
+            out.append((sum(len(ranges[s]) for s in stages), len(stages),
+                        int(0 in stages), int(p * v - 1 in stages)))
+        _RANK_PARTS[key] = out
+    return _RANK_PARTS[key]
+
+
+_RANK_PARTS: dict = {}
+
+
+def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in whole-stage units
+    (docs/pipeline.md's table; interleaved chunk micro-batches count 1/V)."""
+    if p == 1:
+        return 1.0
+    if schedule == 'gpipe':
+        return float(m)
+    if schedule == 'interleaved':
+        return min(m * v, (p - 1 - rank) * 2 + (v - 1) * p + 1) / v
+    if schedule == 'zero_bubble':
+        return float(min(m, p))
+    return float(min(m, p - rank))
+
+
+def model_state_bytes(params: float, zero: int, data: int) -> float:
+    """fp32 weights, gradients and Adam moments of ``params`` local elements by ZeRO stage."""
+    whole, sharded = OPTIMIZER_BYTES[zero]
+    return params * whole + params * sharded / data
+
+
+def _act_split(layout) -> Tuple[float, float]:
+    """(share of a block's activations one rank keeps, share of the block input it keeps)."""
+    t = layout.tensor
+    if layout.mode is None or t == 1:
+        return 1.0, 1.0
+    if layout.mode == '1d':  # Megatron: s b h (10 + 24/t) of 34 s b h
+        return None, 1.0
+    return 1.0 / t, 1.0 / t
+
+
+def block_memory(shape: ModelShape, layout, micro: float, checkpoint: bool, elem: int = 4
+                 ) -> Tuple[float, float]:
+    """(bytes one block keeps per in-flight micro-batch, transient bytes while it computes)."""
+    full = shape.block_activation_bytes(micro, elem)
+    share, input_share = _act_split(layout)
+    if share is None:  # 1D: only the sharded matmul parts shrink
+        s, h, a, r = shape.seq, shape.hidden, shape.heads, shape.mlp_ratio
+        t = layout.tensor
+        per = s * h * (10 + (6 * r) / t) + 5 * a * s * s / t
+        kept = micro * per * elem / 2.0
+    else:
+        kept = full * share
+    if checkpoint:
+        return micro * shape.seq * shape.hidden * elem * input_share, kept
+    return kept, 0.0
+
+
+def _tensor_time(cluster: ClusterProfile, layout, nbytes: float) -> float:
+    """Seconds of a block's tensor-parallel traffic: ``calls`` latencies of the family's
+    collective over its group (t ranks for 1D/sequence, a grid side q for 2D/2.5D/3D, the
+    groups spanning the t consecutive tensor ranks) plus β times the bytes."""
+    if layout.mode is None or layout.tensor == 1 or nbytes <= 0:
+        return 0.0
+    op, calls = TENSOR_OPS[layout.mode]
+    t = layout.tensor
+    size = layout.tensor_grid if layout.mode in ('2d', '2.5d', '3d') else t
+    size = max(size, 2)
+    alpha, _ = cluster.alpha_beta(op, size, cluster.placement(t // size, size))
+    return (calls - 1) * alpha + cluster.group_time(op, nbytes, t // size, size)
+
+
+def evaluate(shape: ModelShape, cluster: ClusterProfile, cand: Candidate, batch: int,
+             elem: int = 4, ranges: Optional[Sequence[range]] = None) -> Estimate:
+    """Memory per device (per stage) and step time of ``cand`` for a global ``batch``."""
+    return evaluate_zero_stages(shape, cluster, cand, (cand.zero,), batch, elem, ranges)[0]
+
+
+def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candidate,
+                         zeros: Sequence[int], batch: int, elem: int = 4,
+                         ranges: Optional[Sequence[range]] = None) -> List[Estimate]:
+    """:func:`evaluate` of ``cand`` with each ZeRO stage of ``zeros`` (the pipeline part,
+    shared by all of them, is computed once)."""
+    l = cand.layout
+    p, d, t, m, v = l.pipeline, l.data, l.tensor, cand.microbatches, cand.chunks
+    micro = batch / d / m                       # samples per replica micro-batch
+    tokens = micro * shape.seq
+    ranges = ranges or stage_ranges(shape, p * v, cand.partition)
+    block_params, first_params, last_params = part_params(shape, l, p * v > 1)
+    kept, transient = block_memory(shape, l, micro, cand.checkpoint, elem)
+
+    f_block = shape.block_flops(tokens) / t / cluster.flops
+    f_head = shape.head_flops(micro) / t / cluster.flops
+    comm_block = _block_bytes(l.mode, t, micro, shape.seq, shape.hidden,
+                              shape.mlp_ratio, l.depth, elem)
+    c_block = _tensor_time(cluster, l, comm_block)
+    recompute = (f_block + 0.5 * c_block) if cand.checkpoint else 0.0
+    act_shard = tokens * shape.hidden * elem / (t if l.mode else 1)
+    p2p = cluster.group_time('p2p', act_shard, d * t, 2) if p > 1 else 0.0
+
+    acts, fwd, bwd, params_rank = [], [], [], []
+    logits = micro * (shape.seq if shape.kind != 'vit' else 1) * shape.outputs * elem * 2 / t
+    f_one, b_one = f_block + c_block / 2, 2 * f_block + c_block / 2 + recompute
+    parts = rank_parts(ranges, p, v)
+    for rank, (n_blocks, n_stages, first, last) in enumerate(parts):
+        params_rank.append(n_blocks * block_params + first * first_params + last * last_params)
+        fwd.append(n_blocks * f_one + last * f_head + p2p * n_stages)
+        bwd.append(n_blocks * b_one + last * 2 * f_head + p2p * n_stages)
+        held = in_flight(cand.schedule, p, m, v, rank)
+        acts.append(held * n_blocks * kept + transient + last * logits)
+    stage_time = [f + b for f, b in zip(fwd, bwd)]
+    slow = max(stage_time)
+    if p == 1:
+        pipe = m * slow
+    elif cand.schedule == 'interleaved':
+        pipe = (m + (p - 1) / v) * slow
+    elif cand.schedule == 'zero_bubble':
+        pipe = m * slow + (p - 1) * max(fwd)
+    else:
+        pipe = (m + p - 1) * slow
+    most = max(n for n, _, _, _ in parts)
+    shared = dict(compute=m * most * (3 * f_block + (f_block if cand.checkpoint else 0.0)),
+                  tensor_comm=m * most * c_block * (1.5 if cand.checkpoint else 1.0),
+                  pipeline=pipe, bubble=pipe - m * slow, block_compute=f_block * 3,
+                  block_comm=c_block, tensor_bytes_per_block=comm_block, p2p=p2p,
+                  params=params_rank, activations_per_block=kept)
+    out = []
+    for zero in zeros:
+        this = cand if zero == cand.zero else replace(cand, zero=zero)
+        whole, sharded = OPTIMIZER_BYTES[zero]
+        per_param = whole + sharded / d
+        memory = [n * per_param + a for n, a in zip(params_rank, acts)]
+        sync = _gradient_sync(cluster, l, this, max(params_rank), elem)
+        if p == 1 and zero in (0, 2):
+            exposed = max(0.0, sync - bwd[0]) + (OVERLAP_SLOWDOWN - 1) * min(sync, bwd[0])
+        else:
+            exposed = sync
+        terms = dict(shared, gradient_sync=sync, exposed_sync=exposed)
+        out.append(Estimate(this, pipe + exposed, memory, stage_time, terms))
+    return out
+
+
+def _gradient_sync(cluster: ClusterProfile, layout, cand: Candidate, params: float,
+                   elem: int) -> float:
+    """Seconds of the data-parallel gradient traffic (``formulas.gradient_sync_bytes``) of
+    the heaviest stage, over the data group (stride t, size D; sequence mode: D*t)."""
+    d, t = layout.data, layout.tensor
+    stride, size = t, d
+    if layout.mode == 'sequence':
+        stride, size = 1, d * t
+    if size == 1:
+        return 0.0
+    n = formulas.gradient_sync_bytes(cand.zero, int(params), cand.microbatches, elem)
+    one = params * elem
+    if cand.zero == 0:
+        return cluster.group_time('all_reduce', n, stride, size)
+    rs_calls = {1: 1, 2: cand.microbatches, 3: cand.microbatches}[cand.zero]
+    ag_calls = {1: 1, 2: 1, 3: 2 * cand.microbatches}[cand.zero]
+    assert (rs_calls + ag_calls) * one == n
+    return (rs_calls * cluster.group_time('reduce_scatter', one, stride, size)
+            + ag_calls * cluster.group_time('all_gather', one, stride, size))

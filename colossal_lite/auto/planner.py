@@ -1,0 +1,240 @@
+"""``plan(model, devices, memory_gb, cluster, batch, seq)``: the chosen layout as a config.
+
+The search (``search.py``) costs every executable candidate; the plan is the fastest that
+fits, written as a config dict that ``colossal_lite.launch`` and ``colossal-lite train``
+load (``parallel``, ``num_microbatches``, ``zero``, ``model``; ``data`` and ``train`` when
+the model trains on a bundled data set), checked by ``job.check_layout`` (its divisibility
+rules and a meta build of the model for the layout). Runners-up are the best candidate of
+each other (tensor mode, pipeline size) and the smallest that do not fit, each with the
+reason it lost.
+"""
+from __future__ import annotations
+
+import pprint
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from ..config import ConfigError
+from .cluster import ClusterProfile, load_profile
+from .cost import Candidate, Estimate, block_memory, evaluate, stage_ranges
+from .model_spec import ModelShape, model_shape, resolve_model_name
+from .search import SearchResult, bmw_partition, dp_layers, job_spec, search
+
+GiB = 2 ** 30
+
+
+def _size(nbytes: float) -> str:
+    return f'{nbytes / GiB:.2f} GiB' if nbytes >= 0.1 * GiB else f'{nbytes / 2 ** 20:.1f} MiB'
+
+
+@dataclass
+class Plan:
+    """The chosen ``config`` with its ``estimate``; ``runners_up`` as (estimate, reason);
+    ``per_layer``: what per-block checkpointing and an explicit pipeline cut would give
+    (the runtime takes neither yet)."""
+
+    config: dict
+    estimate: Estimate
+    runners_up: List[tuple]
+    search: SearchResult
+    cluster: ClusterProfile
+    per_layer: dict = field(default_factory=dict)
+
+    @property
+    def step_time(self) -> float:
+        return self.estimate.step_time
+
+    @property
+    def memory_per_device(self) -> float:
+        return self.estimate.peak_memory
+
+    def report(self) -> str:
+        e = self.estimate
+        lines = [f'cluster: {self.cluster.name}, {self.cluster.devices} devices',
+                 f'searched {self.search.evaluated} candidates: {len(self.search.feasible)} fit '
+                 f'{self.search.budget / GiB:.1f} GiB per device',
+                 f'chosen: {e.candidate.describe()}',
+                 f'  predicted step time {e.step_time * 1e3:.2f} ms, memory per device '
+                 f'{_size(e.peak_memory)} (per stage: ' + ', '.join(map(_size, e.memory)) + ')',
+                 f'  bubble {e.terms["bubble"] * 1e3:.2f} ms, exposed gradient sync '
+                 f'{e.terms["exposed_sync"] * 1e3:.2f} ms, tensor comm per block '
+                 f'{e.terms["block_comm"] * 1e3:.3f} ms']
+        if self.per_layer:
+            lines.append(f'  per-layer: {self.per_layer["note"]}')
+        lines.append('runners-up:')
+        for est, why in self.runners_up:
+            lines.append(f'  {est.candidate.describe():<60} {est.step_time * 1e3:9.2f} ms '
+                         f'{_size(est.peak_memory):>10}  {why}')
+        lines.append('config:')
+        lines.append(pprint.pformat(self.config, sort_dicts=False, width=100))
+        return '\n'.join(lines)
+
+    def to_py(self) -> str:
+        """The config as a ``.py`` file for ``colossal-lite train``."""
+        e = self.estimate
+        head = (f'"""Planned by colossal-lite plan: {e.candidate.describe()}.\n\n'
+                f'Predicted step time {e.step_time * 1e3:.2f} ms, memory per device '
+                f'{_size(e.peak_memory)} on {self.cluster.name}.\n"""\n')
+        body = ''.join(f'{k} = {pprint.pformat(v, sort_dicts=False, width=90)}\n'
+                       for k, v in self.config.items())
+        return head + body
+
+
+def plan_config(shape: ModelShape, cand: Candidate, batch: int) -> dict:
+    """The config dict of ``cand`` (module doc)."""
+    l = cand.layout
+    parallel = dict(data=l.data)
+    if l.pipeline > 1:
+        parallel['pipeline'] = dict(size=l.pipeline, chunks=cand.chunks, schedule=cand.schedule,
+                                    partition=cand.partition)
+    if l.mode is not None:
+        parallel['tensor'] = dict(size=l.tensor, mode=l.mode)
+        if l.mode == '2.5d':
+            parallel['tensor']['depth'] = l.depth
+    config = dict(parallel=parallel, num_microbatches=cand.microbatches)
+    if cand.zero:
+        config['zero'] = (dict(stage=cand.zero) if cand.zero < 3
+                          else dict(stage=3, placement='device'))
+    model = dict(type=shape.kind, preset=shape.preset)
+    defaults = {}
+    if shape.preset is not None:
+        from ..models import get_model
+        defaults = dict(get_model(shape.kind).presets.get(shape.preset, {}))
+    model.update({k: v for k, v in shape.opts.items() if defaults.get(k, object()) != v})
+    if cand.checkpoint:
+        model['checkpoint'] = True
+    config['imports'] = ['model_zoo']
+    config['model'] = model
+    if shape.kind == 'gpt':
+        config['data'] = dict(type='shakespeare', seq_len=shape.seq)
+    elif shape.kind == 'vit' and all(shape.opts.get(k) == v for k, v in
+                                     dict(img_size=8, in_chans=1, num_classes=10).items()):
+        config['data'] = dict(type='digits')
+    config['train'] = dict(global_batch_size=batch)
+    return config
+
+
+def check_plan(shape: ModelShape, cand: Candidate, batch: int):
+    """The checks ``colossal-lite train`` runs on the plan's config: its typed sections
+    (``load_config``), ``job.check_layout`` (size rules, batch splits and a meta build of the
+    model on rank 0 and the last rank) and ``zero.low_level.check_zero`` (NotImplementedError
+    for what ZeRO does not run)."""
+    from ..config import load_config
+    from ..job import check_layout
+    from ..zero.low_level import check_zero
+    settings = load_config(plan_config(shape, cand, batch)).settings
+    check_layout(job_spec(shape, batch), settings.layout.with_world_size(cand.layout.world_size),
+                 settings.pipeline.stages, settings.pipeline.num_microbatches)
+    check_zero(settings.source)
+
+
+def _why(est: Estimate, best: Estimate, budget: float) -> str:
+    if est.peak_memory > budget:
+        return f'does not fit: {_size(est.peak_memory)} > {_size(budget)}'
+    slower = est.step_time / best.step_time - 1
+    diffs = {'pipeline bubble': est.terms['bubble'] - best.terms['bubble'],
+             'exposed gradient sync': est.terms['exposed_sync'] - best.terms['exposed_sync'],
+             'tensor-parallel communication': est.terms['tensor_comm'] - best.terms['tensor_comm'],
+             'compute (recompute or more layers per rank)':
+                 est.terms['compute'] - best.terms['compute']}
+    main = max(diffs, key=diffs.get)
+    return f'{slower * 100:.1f}% slower, mostly {main}'
+
+
+def _runners_up(result: SearchResult, best: Estimate, count: int) -> List[tuple]:
+    seen = {(best.candidate.layout.mode, best.candidate.layout.pipeline,
+             best.candidate.layout.tensor)}
+    out = []
+    for est in result.feasible:
+        l = est.candidate.layout
+        key = (l.mode, l.pipeline, l.tensor)
+        if key not in seen:
+            seen.add(key)
+            out.append((est, _why(est, best, result.budget)))
+        if len(out) >= count:
+            break
+    for est in result.infeasible[:2]:
+        out.append((est, _why(est, best, result.budget)))
+    return out
+
+
+def _per_layer(shape: ModelShape, cluster: ClusterProfile, best: Estimate, batch: int,
+               budget: float) -> dict:
+    """Per-block checkpointing by the DP and the BMW cut, for the chosen layout."""
+    from .cost import in_flight
+    cand = best.candidate
+    l = cand.layout
+    micro = batch / l.data / cand.microbatches
+    keep, _ = block_memory(shape, l, micro, False)
+    keep_ck, transient = block_memory(shape, l, micro, True)
+    plain = evaluate(shape, cluster, Candidate(l, cand.microbatches, cand.schedule, cand.chunks,
+                                               cand.partition, cand.zero, False), batch)
+    ranges = stage_ranges(shape, cand.stages, cand.partition)
+    n = sum(len(ranges[s]) for s in range(cand.stages) if s % l.pipeline == 0)
+    held = in_flight(cand.schedule, l.pipeline, cand.microbatches, cand.chunks, 0)
+    other = plain.memory[0] - n * held * keep          # stage 0 without its blocks' activations
+    recompute = cand.microbatches * (best.terms['block_compute'] / 3
+                                     + best.terms['block_comm'] / 2)
+    options = [[(0.0, held * keep), (recompute, held * keep_ck)]] * n
+    if plain.memory[0] <= budget:   # nothing to recompute; else one block recomputes at a time
+        picks = [0] * n
+    else:
+        _, picks = dp_layers(options, max(0.0, budget - other - transient))
+    out = dict(checkpointed_blocks_stage0=sum(picks) if picks else None, blocks_stage0=n)
+    note = (f'stage 0 would checkpoint {sum(picks)} of {n} blocks (the model takes one flag for '
+            f'all blocks)' if picks else 'no per-block checkpoint set fits')
+    if l.pipeline > 1:
+        def mem(ranges):
+            return evaluate(shape, cluster, cand, batch, ranges=ranges).memory
+
+        def times(ranges):
+            return evaluate(shape, cluster, cand, batch, ranges=ranges).stage_time
+        start = [len(r) for r in stage_ranges(shape, cand.stages, 'parameters')]
+        cut = bmw_partition(start, lambda r: max(mem(r)) <= budget, times)
+        out['bmw_partition'] = [len(r) for r in cut]
+        out['bmw_step_time'] = evaluate(shape, cluster, cand, batch, ranges=cut).step_time
+        note += (f'; BMW cut {out["bmw_partition"]} would take '
+                 f'{out["bmw_step_time"] * 1e3:.2f} ms (the runtime takes named partitions)')
+    out['note'] = note
+    return out
+
+
+def plan(model: str = 'gpt2-small', devices: int = 8, memory_gb: Optional[float] = None,
+         cluster=None, batch: int = 8, seq: Optional[int] = None, runners_up: int = 5,
+         **model_overrides) -> Plan:
+    """The fastest executable plan (module doc). ``model``: a model_zoo preset
+    ('gpt2-small', 'bert-base', 'vit-base', ...) or 'kind:preset'; ``cluster``: None (the
+    shipped 'nvlink8'), a shipped name, a JSON path or a ClusterProfile; ``memory_gb``: the
+    budget per device (default: the profile's memory); ``batch``: the global batch;
+    ``seq``: the sequence length (default the model's ``max_positions``)."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f'devices must be a positive integer, got {devices!r}')
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f'batch must be a positive integer, got {batch!r}')
+    if memory_gb is not None and not memory_gb > 0:
+        raise ValueError(f'memory_gb must be positive, got {memory_gb!r}')
+    profile = load_profile(cluster)
+    profile = profile.with_devices(devices, memory_gb * GiB if memory_gb else None)
+    kind, preset = resolve_model_name(model)
+    shape = model_shape(kind, preset, seq, **model_overrides)
+    result = search(shape, profile, devices, batch)
+    if result.best is None:
+        smallest = result.infeasible[0] if result.infeasible else None
+        hint = (f'; the smallest candidate ({smallest.candidate.describe()}) needs '
+                f'{smallest.peak_memory / GiB:.2f} GiB' if smallest else
+                '; no layout splits this model and batch over these devices')
+        raise ValueError(f'no plan for {model} on {devices} devices fits '
+                         f'{profile.memory_bytes / GiB:.2f} GiB per device{hint}')
+    best = None
+    for est in result.feasible:  # the first that passes check_layout (its meta build)
+        try:
+            check_plan(shape, est.candidate, batch)
+        except (ConfigError, NotImplementedError):
+            continue
+        best = est
+        break
+    if best is None:
+        raise ValueError(f'no candidate for {model} on {devices} devices passes check_layout')
+    config = plan_config(shape, best.candidate, batch)
+    per_layer = _per_layer(shape, profile, best, batch, profile.memory_bytes)
+    return Plan(config, best, _runners_up(result, best, runners_up), result, profile, per_layer)

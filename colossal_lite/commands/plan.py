@@ -1,0 +1,51 @@
+"""``colossal-lite plan --model NAME --devices N --memory-gb G [--cluster FILE] [--batch B]
+[--seq S] [--write FILE]``: choose the parallel layout automatically (docs/planner.md).
+
+Prints the chosen config, its predicted step time and memory per device and the
+runners-up with why they lost; ``--write FILE`` saves the config as a ``.py`` file that
+``colossal-lite train FILE --nproc N`` runs. ``--cluster``: a profile JSON (``python -m
+colossal_lite.auto.profile`` measures one) or a shipped name (nvlink8, nodes4x8, pcie8).
+Exit status 2 on bad arguments or when nothing fits.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        'plan', help='choose the parallel layout for a model and a cluster',
+        epilog='example: colossal-lite plan --model gpt2-small --devices 8 --memory-gb 16')
+    parser.add_argument('--model', required=True,
+                        help="a model_zoo preset (gpt2-small, bert-base, vit-base, ...) or "
+                             "'kind:preset' (gpt:tiny)")
+    parser.add_argument('--devices', type=int, required=True, help='number of devices N')
+    parser.add_argument('--memory-gb', type=float, default=None,
+                        help="memory budget per device in GiB (default: the cluster profile's)")
+    parser.add_argument('--cluster', default=None,
+                        help='cluster profile JSON or shipped name (default nvlink8)')
+    parser.add_argument('--batch', type=int, default=8, help='global batch (default 8)')
+    parser.add_argument('--seq', type=int, default=None,
+                        help="sequence length (default: the model's max_positions)")
+    parser.add_argument('--write', default=None, help='save the chosen config as this .py file')
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..auto import plan
+    try:
+        result = plan(args.model, devices=args.devices, memory_gb=args.memory_gb,
+                      cluster=args.cluster, batch=args.batch, seq=args.seq)
+    except (ValueError, NotImplementedError) as exc:
+        print(f'colossal-lite plan: {exc}', file=sys.stderr)
+        return 2
+    print(result.report())
+    if args.write:
+        if not args.write.endswith('.py'):
+            print(f'colossal-lite plan: --write needs a .py file name, got {args.write!r}',
+                  file=sys.stderr)
+            return 2
+        with open(args.write, 'w') as f:
+            f.write(result.to_py())
+        print(f'wrote {args.write}')
+    return 0
