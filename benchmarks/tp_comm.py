@@ -28,28 +28,11 @@ ELEM = 4
 HAS_3D = importlib.util.find_spec('colossal_lite.nn.parallel_3d') is not None
 
 
-def block_elements(mode: str, b: int, s: int, h: int, p: int, d: int = 1) -> float:
-    """Elements per rank (x4 = bytes) of one pre-LN block (qkv, dense, fc1 h->4h, fc2 4h->h,
-    2 LayerNorms, biases everywhere, input needing its gradient), forward + backward."""
-    n = b * s
-    if mode == '1d':   # 3 backward all_reduces (q, k, v inputs) + dense, fc1 bwd, fc2 fwd
-        return 6 * n * h
-    if mode in ('2d', '2.5d'):
-        q = round((p / d) ** 0.5)
-        deep = 1 if d > 1 else 0
-        # Linears: sum over (in, out) of 2 n out/(d q) + 3 in out/q + deep in out/q^2 + out/q (1+deep)
-        # = 18 n h/(d q) + 36 h^2/q + deep 12 h^2/q^2 + 9 h/q (1+deep)
-        # LayerNorms: 4 n/(d q) + 2 h/q (1+deep) each
-        return (18 * n * h / (d * q) + 8 * n / (d * q) + 36 * h * h / q
-                + deep * 12 * h * h / q ** 2 + 13 * h / q * (1 + deep))
-    if mode == '3d':
-        q = round(p ** (1 / 3))
-        # Linears (default keep_gathered=False: x and A re-gathered in backward):
-        #   2 n (in+out)/q^2 + n in/q^2 + 3 in out/q^2 + 2 out/q
-        #   = 45 n h/q^2 + 36 h^2/q^2 + 18 h/q over the block
-        # LayerNorms: 4 n/q^2 + 2 h/q each
-        return 45 * n * h / q ** 2 + 8 * n / q ** 2 + 36 * h * h / q ** 2 + 22 * h / q
-    raise ValueError(mode)
+def block_bytes(mode: str, b: int, s: int, h: int, p: int, d: int = 1) -> float:
+    """Bytes per rank of one block, forward + backward: ``colossal_lite.formulas.block_bytes``
+    (the per-layer formulas of docs/tensor_parallel.md summed over the block)."""
+    from colossal_lite.formulas import block_bytes as formula
+    return formula(mode, p, b, s, h, mlp_ratio=MLP, d=d, elem=ELEM)
 
 
 def _local_input(mode, x):
@@ -97,10 +80,10 @@ def main():
     for mode, p, d in configs():
         results = run_distributed(_measure, p, _config(mode, p, d), mode, timeout=600)
         per_rank = sorted({r['bytes'] for r in results})
-        formula = ELEM * block_elements(mode, B, S, H, p, d)
+        formula = block_bytes(mode, B, S, H, p, d)
         m64, p64, d64 = extrapolate[mode]
-        at64 = ELEM * block_elements(m64, B, S, H, p64, d64)
-        vit_base_64 = ELEM * block_elements(m64, 64, 197, 768, p64, d64)
+        at64 = block_bytes(m64, B, S, H, p64, d64)
+        vit_base_64 = block_bytes(m64, 64, 197, 768, p64, d64)
         records.append(dict(mode=mode, ranks=p, depth=d, measured_bytes_per_rank=per_rank,
                             formula_bytes=formula, matches=per_rank == [formula],
                             wire_bytes_per_rank=max(r['wire_bytes'] for r in results),

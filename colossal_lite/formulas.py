@@ -124,7 +124,7 @@ def ring_attention_saved_bytes(p: int, b: int, s: int, h: int, n: int, elem: int
 
 def block_bytes(mode: Optional[str], p: int, b: int, s: int, h: int, mlp_ratio: int = 4,
                 d: int = 1, elem: int = 4) -> float:
-    """One pre/post-LN transformer block (q, k, v, dense h->h; fc1 h->r h; fc2 r h->h; two
+    """One pre/post-LN transformer block (fused q/k/v h->3h, dense h->h; fc1 h->r h; fc2 r h->h; two
     LayerNorms; biases), forward + backward, buffer bytes per rank over the tensor group(s),
     input needing its gradient. The per-layer formulas above summed over the block's layers
     (``tests/test_planner.py`` measures 1D and 2D equal to the byte counter):
@@ -141,7 +141,9 @@ def block_bytes(mode: Optional[str], p: int, b: int, s: int, h: int, mlp_ratio: 
     if mode is None or p == 1:
         return 0
     n, r = b * s, mlp_ratio
-    linears = [(h, h)] * 4 + [(h, r * h), (r * h, h)]
+    # q, k, v run as one fused projection h -> 3h (``col_nn.project_qkv``): in 3D its input
+    # is gathered once, not three times; in 2D/2.5D every term is linear in ``out``
+    linears = [(h, 3 * h), (h, h), (h, r * h), (r * h, h)]
     if mode == '1d':
         return 2 * mlp_1d_bytes(p, b, s, h, elem)
     if mode == 'sequence':
