@@ -41,8 +41,12 @@ class SelfAttention(nn.Module):
         self.dense = col_nn.Linear(hidden, hidden, region='exit', weight_init=normal_init(init_std),
                                    bias_init=zeros_init)
 
-    def forward(self, x, key_padding_mask=None):
+    def forward(self, x, key_padding_mask=None, kv_cache=None):
+        """``kv_cache`` (a ``kv_cache.LayerKV``): this step's local k, v are appended to it
+        and the queries attend to every cached key (causal mask offset by the cache)."""
         q, k, v = col_nn.project_qkv(x, self.query, self.key, self.value)
+        if kv_cache is not None:
+            k, v = kv_cache.extend(k, v)
         ctx = self.core(q, k, v, key_padding_mask)
         return self.dense(ctx)
 
@@ -81,30 +85,54 @@ class TransformerLayer(nn.Module):
         self.drop1 = col_nn.Dropout(dropout)
         self.drop2 = col_nn.Dropout(dropout)
 
-    def _forward(self, x, key_padding_mask=None):
+    def _forward(self, x, key_padding_mask=None, kv_cache=None):
         if self.pre_ln:
-            x = x + self.drop1(self.attn(self.ln1(x), key_padding_mask))
+            x = x + self.drop1(self.attn(self.ln1(x), key_padding_mask, kv_cache))
             return x + self.drop2(self.mlp(self.ln2(x)))
-        x = self.ln1(x + self.drop1(self.attn(x, key_padding_mask)))
+        x = self.ln1(x + self.drop1(self.attn(x, key_padding_mask, kv_cache)))
         return self.ln2(x + self.drop2(self.mlp(x)))
 
-    def forward(self, x, key_padding_mask=None):
-        if self.checkpoint and self.training and torch.is_grad_enabled():
+    def forward(self, x, key_padding_mask=None, kv_cache=None):
+        if self.checkpoint and self.training and torch.is_grad_enabled() and kv_cache is None:
             from colossal_lite.engine.checkpoint import checkpoint
             return checkpoint(self._forward, x, key_padding_mask)
-        return self._forward(x, key_padding_mask)
+        return self._forward(x, key_padding_mask, kv_cache)
 
 
 _MEASURED: dict = {}  # (model class, options) -> measured (first, block, last) seconds
 
 
+def checkpointed_blocks(checkpoint, layers: int) -> frozenset:
+    """The serial indices of the blocks a model's ``checkpoint`` option recomputes in
+    backward: ``True`` all ``layers`` blocks, ``False`` none, or a collection (list, tuple,
+    set, range) of block indices in ``[0, layers)`` -- e.g. ``range(k)`` for the first k, or
+    the planner's per-block choice. A ValueError names the value and the layer count."""
+    if isinstance(checkpoint, bool):
+        return frozenset(range(layers)) if checkpoint else frozenset()
+    if not isinstance(checkpoint, (list, tuple, set, frozenset, range)):
+        raise ValueError(f'checkpoint must be True, False or a collection of block indices in '
+                         f'[0, {layers}) (the model has {layers} layers), got {checkpoint!r}'
+                         + (' (the first k blocks: range(k))' if isinstance(checkpoint, int)
+                            else ''))
+    bad = [i for i in checkpoint if isinstance(i, bool) or not isinstance(i, int)
+           or not 0 <= i < layers]
+    if bad:
+        raise ValueError(f'checkpoint = {checkpoint!r}: block index {bad[0]!r} is not in '
+                         f'[0, {layers}) (the model has {layers} layers)')
+    return frozenset(checkpoint)
+
+
 def plan_transformer_stages(model, layers: int, hidden: int, mlp_ratio: int, first_params: int,
-                            last_params: int, options: dict, sample: Callable[[], tuple]):
-    """Decide ``model``'s pipeline stages over ``layers`` blocks. ``first_params`` /
+                            last_params: int, options: dict, sample: Callable[[], tuple],
+                            checkpoint=False):
+    """Decide ``model``'s pipeline stages over ``layers`` blocks and which blocks are
+    checkpointed (``model.checkpointed``: :func:`checkpointed_blocks` of ``checkpoint``,
+    checked first, before the ``cost`` partition's collective). ``first_params`` /
     ``last_params``: parameter counts of the parts before and after the blocks (for
     ``partition='parameters'``); ``options``: the model's constructor arguments and
     ``sample()``: small inputs, to time its parts (``partition='cost'``)."""
     from colossal_lite.pipeline.stages import measure_part_costs, transformer_weights
+    model.checkpointed = checkpointed_blocks(checkpoint, layers)
 
     def measure():
         small = dict(options, layers=3, dropout=0.0, checkpoint=False)
@@ -119,9 +147,11 @@ def plan_transformer_stages(model, layers: int, hidden: int, mlp_ratio: int, fir
 def stage_blocks(model, hidden: int, heads: int, mlp_ratio: int, dropout: float,
                  **layer_options) -> nn.ModuleDict:
     """The :class:`TransformerLayer` blocks of ``model``'s stages (all of them when not
-    pipelined), keyed by serial index."""
+    pipelined), keyed by serial index; block i checkpointed when i is in ``model.checkpointed``
+    (set by :func:`plan_transformer_stages`)."""
     return model.build_blocks(
-        lambda i: TransformerLayer(hidden, heads, mlp_ratio, dropout, **layer_options))
+        lambda i: TransformerLayer(hidden, heads, mlp_ratio, dropout,
+                                   checkpoint=i in model.checkpointed, **layer_options))
 
 
 def preset_config(presets: dict, name: str, overrides: dict, family: str) -> dict:

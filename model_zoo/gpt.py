@@ -5,10 +5,13 @@ import torch
 from torch import nn
 
 import colossal_lite.nn as col_nn
+from colossal_lite.nn.registry import current_mode
 from colossal_lite.pipeline.stages import StagedModel
 from colossal_lite.tensor import init_by_name
 
 from .blocks import normal_init, plan_transformer_stages, preset_config, stage_blocks
+from .hf import HFConvertible, constructor_args
+from .kv_cache import KVCache
 
 # vocabularies are padded to a multiple of 128 (50257 -> 50304) so every tensor split divides
 GPT_PRESETS = {
@@ -20,7 +23,7 @@ GPT_PRESETS = {
 }
 
 
-class GPT(StagedModel):
+class GPT(HFConvertible, StagedModel):
     """``GPT(...)(input_ids [b, s]) -> logits`` (vocab-split under tensor parallelism;
     ``colossal_lite.nn.gather_logits`` gives the full ``[b, s, V]``).
 
@@ -30,8 +33,9 @@ class GPT(StagedModel):
 
     def __init__(self, vocab_size: int, max_positions: int, hidden: int, layers: int, heads: int,
                  mlp_ratio: int = 4, dropout: float = 0.1, eps: float = 1e-5,
-                 init_std: float = 0.02, checkpoint: bool = False):
+                 init_std: float = 0.02, checkpoint=False):
         super().__init__()
+        self.arch_args = constructor_args(locals())  # for save_hf
         with init_by_name(self):  # each weight a function of (seed, its name)
             self.max_positions = max_positions
             options = dict(vocab_size=vocab_size, max_positions=max_positions, hidden=hidden,
@@ -39,7 +43,8 @@ class GPT(StagedModel):
             plan_transformer_stages(
                 self, layers, hidden, mlp_ratio, first_params=(vocab_size + max_positions) * hidden,
                 last_params=(vocab_size + 2) * hidden, options=options,
-                sample=lambda: (torch.zeros(2, min(max_positions, 64), dtype=torch.long),))
+                sample=lambda: (torch.zeros(2, min(max_positions, 64), dtype=torch.long),),
+                checkpoint=checkpoint)
             if self.holds_first or self.holds_last:
                 self.wte = col_nn.VocabParallelEmbedding(vocab_size, hidden,
                                                          weight_init=normal_init(init_std))
@@ -48,7 +53,7 @@ class GPT(StagedModel):
                 self.drop = col_nn.Dropout(dropout)
             self.blocks = stage_blocks(self, hidden, heads, mlp_ratio, dropout, causal=True,
                                        pre_ln=True, eps=eps, gelu_approximate='tanh',
-                                       init_std=init_std, checkpoint=checkpoint)
+                                       init_std=init_std)
             if self.holds_last:
                 self.ln_f = col_nn.LayerNorm(hidden, eps=eps)
                 self.lm_head = col_nn.VocabParallelClassifier(hidden, vocab_size, bias=False,
@@ -59,16 +64,49 @@ class GPT(StagedModel):
     def from_preset(cls, name: str, **overrides) -> 'GPT':
         return cls(**preset_config(GPT_PRESETS, name, overrides, 'GPT'))
 
+    def new_kv_cache(self) -> KVCache:
+        """An empty cache for incremental decoding: ``model(ids, kv_cache=cache)`` appends
+        the step's local keys/values to it (no communication; ``model_zoo/kv_cache.py``)
+        and offsets the step's positions by ``cache.length``. Serial and 1D/2D/2.5D/3D."""
+        if self.is_pipelined:
+            raise NotImplementedError('KV-cached decoding is not implemented under pipeline '
+                                      'parallelism; load the weights into a tensor layout')
+        if current_mode() == 'sequence':
+            raise NotImplementedError('KV-cached decoding is not implemented under sequence '
+                                      'parallelism (a decoding step of one token cannot be '
+                                      'split along the sequence); use a tensor mode')
+        return KVCache(self.stage_spec().layers)
+
     def forward(self, input_ids: torch.Tensor, stage_input: torch.Tensor = None,
-                stage: int = None) -> torch.Tensor:
+                stage: int = None, kv_cache: KVCache = None,
+                last_only: bool = False) -> torch.Tensor:
+        """``kv_cache``: see :meth:`new_kv_cache`; ``last_only``: the logits of the last
+        position only, ``[b, 1, V]`` (no tensor mode splits the sequence: a local slice)."""
+        if last_only and current_mode() == 'sequence':
+            raise NotImplementedError('last_only is not implemented under sequence parallelism '
+                                      '(the last position lives on the last sequence rank)')
         spec = self.stage_spec(stage)
         x = self.stage_start(spec, stage_input)
         if spec.first:
-            positions = self.positions(input_ids, self.max_positions)
+            positions = self._positions(input_ids, kv_cache)
             x = self.drop(self.wte(input_ids) + self.wpe(positions))
         for i in spec.layers:
-            x = self.blocks[str(i)](x)
-        return self.lm_head(self.ln_f(x)) if spec.last else x
+            x = self.blocks[str(i)](x, kv_cache=None if kv_cache is None else kv_cache.layer(i))
+        if kv_cache is not None:
+            kv_cache.length += input_ids.shape[1]
+        if not spec.last:
+            return x
+        return self.lm_head(self.ln_f(x[:, -1:] if last_only else x))
+
+    def _positions(self, input_ids: torch.Tensor, kv_cache) -> torch.Tensor:
+        """Position ids of ``input_ids [b, s]``, after the ``kv_cache.length`` cached ones."""
+        if kv_cache is None:
+            return self.positions(input_ids, self.max_positions)
+        offset = kv_cache.length
+        if offset + input_ids.shape[1] > self.max_positions:
+            raise ValueError(f'{offset} cached + {input_ids.shape[1]} new tokens exceed '
+                             f'max_positions {self.max_positions}')
+        return self.positions(input_ids, self.max_positions) + offset
 
 
 class GPTLMLoss(nn.Module):

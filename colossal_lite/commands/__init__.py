@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-COMMANDS: tuple = ()
+COMMANDS: tuple = ('generate', 'eval', 'export', 'plan')
 
 
 def add_parsers(subparsers) -> None:

@@ -1,0 +1,56 @@
+"""``load_model(path, model)``: only the ``model.*`` tensors of a checkpoint, into a model
+built for the current layout (no engine, optimizer or training state).
+
+It is ``checkpoint.load`` restricted to the model: an engine-like view of the model with
+no optimizer and no AMP (:class:`_ModelOnly`) goes through the same functions of
+``state.py`` -- launched: ``sharded_targets`` (a ``DTensor`` of this rank's shard where the
+parameter's placement has one, so DCP reads only the saved chunks overlapping it; full
+tensors otherwise) then ``load_sharded_tensor_state``; serial with no process group: full
+tensors and ``load_tensor_state``. The saved ``optim.*`` keys, side files and RNG states
+are not read. Collective in a launched run (DCP's load plan and a final GLOBAL barrier).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from . import state as S
+from .io import COMMON, _barrier, _views
+
+
+class _NoOptimizer:
+    """An optimizer that steps nothing: no parameter groups, no state."""
+
+    param_groups: list = []
+    state: dict = {}
+
+
+class _ModelOnly:
+    """What ``state.py`` reads of an engine, for a bare model."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.optimizer, self.amp = model, _NoOptimizer(), None
+
+
+def load_model(path: str, model: torch.nn.Module) -> None:
+    """Load the ``model.<key>`` tensors of the checkpoint at ``path`` into ``model`` (built
+    for this rank's layout: serial, any tensor mode, a pipeline stage); collective."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(os.path.join(path, COMMON)):
+        raise FileNotFoundError(f'{path} is not a complete checkpoint (no {COMMON})')
+    engine = _ModelOnly(model)
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    views = _views()
+    if views is None:
+        flat = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+                for key in S.wanted_keys(engine, saved)}
+        dcp.load(flat, storage_reader=reader)
+        S.load_tensor_state(engine, flat)
+    else:
+        flat = S.sharded_targets(engine, saved, views)
+        dcp.load(flat, storage_reader=reader)
+        S.load_sharded_tensor_state(engine, flat)
+    _barrier()

@@ -1,0 +1,128 @@
+"""What ``generate``, ``eval`` and ``export`` share: the job of a checkpoint rebuilt under a
+tensor layout of ``--nproc`` processes, the checks that run in the parent before any worker
+starts, the job's tokenizer, and the model built and loaded on each worker.
+
+The job's config comes from the checkpoint (``checkpoint.job.job_config``: ``colossal-lite
+train`` saves it as ``extra``). Its parallel layout is replaced by tensor parallelism over
+``--nproc`` processes (``--tensor-mode``, default ``1d`` when nproc > 1) with no pipeline
+and no data parallelism, and the training-only sections ``zero``, ``num_microbatches`` /
+``gradient_accumulation`` are dropped; ``fp16`` stays (``eval`` evaluates as training did).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from ..config import ConfigError
+
+TRAINING_ONLY = ('parallel', 'zero', 'num_microbatches', 'gradient_accumulation')
+MODES = ('1d', '2d', '2.5d', '3d')
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser, tensor_mode: bool = True) -> None:
+    parser.add_argument('checkpoint', help='a checkpoint directory written by colossal-lite train')
+    parser.add_argument('--nproc', type=int, default=1,
+                        help='local processes: the tensor-parallel size (default 1: serial)')
+    if tensor_mode:
+        parser.add_argument('--tensor-mode', choices=MODES, default=None,
+                            help='tensor-parallel mode over the processes (default 1d)')
+        parser.add_argument('--depth', type=int, default=None, help='2.5D depth d (nproc = d*q*q)')
+    parser.add_argument('--port', type=int, default=0, help='rendezvous port (default: a free one)')
+
+
+def parallel_section(nproc: int, mode: Optional[str], depth: Optional[int]) -> dict:
+    """The ``parallel`` dict of tensor parallelism over ``nproc`` processes; a ConfigError
+    naming the flags when they do not fit."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ConfigError(f'--nproc must be a positive integer, got {nproc!r}')
+    if depth is not None and mode != '2.5d':
+        raise ConfigError(f'--depth applies only to --tensor-mode 2.5d, got --tensor-mode {mode}')
+    if nproc == 1 and mode in (None, '1d'):
+        return {}
+    tensor = dict(size=nproc, mode=mode or '1d')
+    if depth is not None:
+        tensor['depth'] = depth
+    from ..config import parse_parallel
+    try:
+        parse_parallel(dict(tensor=tensor))
+    except ConfigError as err:
+        raise ConfigError(f'--nproc {nproc} does not fit --tensor-mode {tensor["mode"]}'
+                          f'{f" --depth {depth}" if depth is not None else ""}: {err}') from None
+    return dict(tensor=tensor)
+
+
+def inference_config(ckpt: str, nproc: int, mode: Optional[str] = None,
+                     depth: Optional[int] = None):
+    """The validated config of the checkpoint's job under the tensor layout (module doc)."""
+    from ..checkpoint.job import job_config
+    from ..config import load_config
+    source = {k: v for k, v in job_config(ckpt).items() if k not in TRAINING_ONLY}
+    parallel = parallel_section(nproc, mode, depth)
+    if parallel:
+        source['parallel'] = parallel
+    return load_config(source)
+
+
+def check_model(cfg, nproc: int):
+    """The job's model built on the meta device for the layout (rank 0 and the last rank):
+    a ConfigError naming the split that fails. Returns rank 0's meta model."""
+    from ..job import describe_model
+    spec, layout = cfg.settings.job, cfg.settings.layout.with_world_size(nproc)
+    models = {}
+    for rank in sorted({0, nproc - 1}):
+        try:
+            models[rank] = describe_model(spec, layout, rank)
+        except ValueError as err:
+            raise ConfigError(f'the checkpoint\'s {spec.kind} model cannot be split over '
+                              f'{nproc} process(es) in tensor mode {layout.mode}: {err}') from None
+    return models[0]
+
+
+def job_tokenizer(spec):
+    """``(encode(text) -> list of ids, decode(ids) -> text)`` of a text job: UTF-8 bytes for
+    ``shakespeare``; for ``hf`` the job's tokenizer (``data/hf.py``: the file, or the BPE
+    trained into ``train.run_dir``, retrained from the job's text when it is not there)."""
+    if spec.data_type == 'shakespeare':
+        from ..data import ByteTokenizer
+        tok = ByteTokenizer()
+        return (lambda text: tok.encode(text).tolist()), tok.decode
+    if spec.data_type == 'hf':
+        from ..data.hf import get_tokenizer, load_texts
+        texts = None if spec.data['tokenizer']['type'] == 'file' else load_texts(spec.data)
+        tok = get_tokenizer(spec.data, texts, spec.run_dir)
+        return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(list(ids)))
+    raise ConfigError(f'the checkpoint\'s job trains on data type {spec.data_type!r}, which has '
+                      f'no tokenizer: generation needs a text job (shakespeare or hf)')
+
+
+def fail(what: str, ckpt: str, err: Exception) -> int:
+    """Print the parent-side error of command ``what`` and return exit status 2."""
+    kind = 'not supported' if isinstance(err, NotImplementedError) else 'cannot run'
+    print(f'colossal-lite {what}: {kind} on {ckpt}: {err}', file=sys.stderr)
+    return 2
+
+
+PARENT_ERRORS = (ConfigError, ValueError, FileNotFoundError, NotImplementedError)
+
+
+def launch_worker(ckpt: str, nproc: int, mode: Optional[str], depth: Optional[int]):
+    """On a worker: launch the checkpoint's job under the tensor layout, build its model and
+    load the checkpoint's weights into it (collective). Returns ``(cfg, model)``; the caller
+    ends with ``gpc.destroy()``."""
+    import os
+
+    import torch
+
+    from ..checkpoint import load_model
+    from ..context import global_context as gpc
+    from ..job import build_model
+    from ..launch import launch_from_torch
+    os.environ['OMP_NUM_THREADS'] = '1'
+    torch.set_num_threads(1)
+    cfg = inference_config(ckpt, nproc, mode, depth)
+    backend = cfg.settings.run.backend or ('nccl' if torch.cuda.is_available() else 'gloo')
+    launch_from_torch(cfg, backend=backend)
+    model = build_model(cfg.settings.job).to(gpc.device)
+    load_model(ckpt, model)
+    return cfg, model

@@ -1,0 +1,47 @@
+"""Key/value cache for incremental decoding with the model zoo's causal attention.
+
+Each attention layer keeps the keys and values of the tokens seen so far exactly as its
+fused q/k/v projection produced them on this rank: ``[b_local, t, width_local]`` --
+1D: ``[b, t, h/p]`` (this rank's heads); 2D/2.5D: ``[b/q(/d), t, h/q]``; 3D: ``[b/q^2, t,
+h/q]``. No tensor mode splits the sequence, so appending a step is a local concatenation
+along dim 1: no communication. The causal mask of a step of ``s`` queries against ``t + s``
+keys is ``tril(t)`` (``nn.functional.attention``), and the model offsets the positions of
+the new tokens by ``t`` (:attr:`KVCache.length`).
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+
+
+class LayerKV:
+    """One attention layer's cached local keys and values (None before the first step)."""
+
+    def __init__(self):
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's ``k, v [b_local, s, width_local]``; the keys and values of
+        every token so far ``[b_local, t + s, width_local]``."""
+        if self.keys is not None:
+            if k.shape[0] != self.keys.shape[0] or k.shape[2] != self.keys.shape[2]:
+                raise ValueError(f'this step\'s keys {tuple(k.shape)} do not extend the cached '
+                                 f'{tuple(self.keys.shape)} (same local batch and width needed)')
+            k, v = torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
+        self.keys, self.values = k, v
+        return k, v
+
+
+class KVCache:
+    """The caches of a model's attention layers (keyed by serial block index) and the number
+    of positions already cached (:attr:`length`), which the model adds to the positions of
+    the next step's tokens and advances after the step."""
+
+    def __init__(self, layers: Iterable[int]):
+        self.layers: Dict[int, LayerKV] = {int(i): LayerKV() for i in layers}
+        self.length = 0
+
+    def layer(self, index: int) -> LayerKV:
+        return self.layers[int(index)]
