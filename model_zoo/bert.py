@@ -28,7 +28,7 @@ class BERT(HFConvertible, StagedModel):
     def __init__(self, vocab_size: int, max_positions: int, hidden: int, layers: int, heads: int,
                  mlp_ratio: int = 4, dropout: float = 0.1, eps: float = 1e-12,
                  type_vocab_size: int = 2, init_std: float = 0.02, nsp: bool = True,
-                 checkpoint: bool = False):
+                 checkpoint=False):
         super().__init__()
         self.arch_args = constructor_args(locals())  # for save_hf
         with init_by_name(self):  # each weight a function of (seed, its name)
@@ -42,7 +42,8 @@ class BERT(HFConvertible, StagedModel):
                 options=dict(vocab_size=vocab_size, max_positions=max_positions, hidden=hidden,
                              layers=layers, heads=heads, mlp_ratio=mlp_ratio, eps=eps,
                              type_vocab_size=type_vocab_size, nsp=nsp),
-                sample=lambda: (torch.zeros(2, min(max_positions, 64), dtype=torch.long),))
+                sample=lambda: (torch.zeros(2, min(max_positions, 64), dtype=torch.long),),
+                checkpoint=checkpoint)
             if self.holds_first or self.holds_last:
                 self.word_embeddings = col_nn.VocabParallelEmbedding(vocab_size, hidden,
                                                                      weight_init=init)
@@ -54,7 +55,7 @@ class BERT(HFConvertible, StagedModel):
                 self.drop = col_nn.Dropout(dropout)
             self.layers = stage_blocks(self, hidden, heads, mlp_ratio, dropout, causal=False,
                                        pre_ln=False, eps=eps, gelu_approximate='none',
-                                       init_std=init_std, checkpoint=checkpoint)
+                                       init_std=init_std)
             self.nsp = nsp
             if self.holds_last:
                 self.mlm_dense = col_nn.Linear(hidden, hidden, weight_init=init, bias_init=zeros_init)

@@ -27,7 +27,7 @@ class ViT(HFConvertible, StagedModel):
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, num_classes: int, hidden: int,
                  layers: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.1,
-                 eps: float = 1e-6, init_std: float = 0.02, checkpoint: bool = False):
+                 eps: float = 1e-6, init_std: float = 0.02, checkpoint=False):
         super().__init__()
         self.arch_args = constructor_args(locals())  # for save_hf
         with init_by_name(self):  # each weight a function of (seed, its name)
@@ -39,13 +39,14 @@ class ViT(HFConvertible, StagedModel):
                 options=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
                              num_classes=num_classes, hidden=hidden, layers=layers, heads=heads,
                              mlp_ratio=mlp_ratio, eps=eps),
-                sample=lambda: (torch.zeros(2, in_chans, img_size, img_size),))
+                sample=lambda: (torch.zeros(2, in_chans, img_size, img_size),),
+                checkpoint=checkpoint)
             if self.holds_first:
                 self.patch_embed = col_nn.PatchEmbedding(img_size, patch_size, in_chans, hidden)
                 self.drop = col_nn.Dropout(dropout)
             self.blocks = stage_blocks(self, hidden, heads, mlp_ratio, dropout, causal=False,
                                        pre_ln=True, eps=eps, gelu_approximate='none',
-                                       init_std=init_std, checkpoint=checkpoint)
+                                       init_std=init_std)
             if self.holds_last:
                 self.norm = col_nn.LayerNorm(hidden, eps=eps)
                 self.head = col_nn.Classifier(hidden, num_classes,

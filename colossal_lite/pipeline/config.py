@@ -9,15 +9,17 @@ Two spellings::
 ``chunks`` (V) is the number of model chunks (virtual stages) per pipeline rank: only the
 ``interleaved`` schedule runs V > 1. ``partition`` says how the layers are cut into P*V
 stages: ``uniform`` (equal numbers of blocks), ``parameters`` (balanced parameter counts,
-embeddings on the first stage and heads on the last counted) or ``cost`` (balanced measured
-forward+backward time per layer). What needs the model (more stages than layers) is checked
-where the model is known (the CLI's meta build and the model's constructor).
+embeddings on the first stage and heads on the last counted), ``cost`` (balanced measured
+forward+backward time per layer) or an explicit list ``[n_0, ..., n_{P*V-1}]`` of blocks per
+stage (kept as a tuple; its length is checked here). What needs the model (more stages than
+layers, an explicit cut summing to the layer count) is checked where the model is known
+(``job.check_layout`` in the CLI's parent and the model's constructor).
 """
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Tuple, Union
 
 SCHEDULES = ('1f1b', 'gpipe', 'interleaved', 'zero_bubble')
 PARTITIONS = ('uniform', 'parameters', 'cost')
@@ -42,7 +44,7 @@ class PipelineSettings:
     size: int = 1
     chunks: int = 1
     schedule: str = '1f1b'
-    partition: str = 'uniform'
+    partition: Union[str, Tuple[int, ...]] = 'uniform'
     num_microbatches: int = 1
 
     @property
@@ -73,9 +75,7 @@ def parse_pipeline(config: Mapping) -> PipelineSettings:
     if schedule not in SCHEDULES:
         raise _config_error(f"'parallel.pipeline.schedule' must be one of {list(SCHEDULES)}, "
                             f"got {schedule!r}")
-    if partition not in PARTITIONS:
-        raise _config_error(f"'parallel.pipeline.partition' must be one of {list(PARTITIONS)}, "
-                            f"got {partition!r}")
+    partition = _partition(partition, size * chunks)
     micro = _microbatches(config)
     if chunks > 1 and schedule != 'interleaved':
         raise _config_error(f"'parallel.pipeline.chunks' = {chunks} needs schedule "
@@ -88,6 +88,26 @@ def parse_pipeline(config: Mapping) -> PipelineSettings:
             raise _config_error(f"the interleaved schedule needs num_microbatches divisible by "
                                 f"the pipeline size {size}, got num_microbatches = {micro}")
     return PipelineSettings(size, chunks, schedule, partition, micro)
+
+
+def _partition(value: Any, stages: int) -> Union[str, Tuple[int, ...]]:
+    """A partition name, or an explicit cut: a list/tuple of ``stages`` positive block counts."""
+    key = 'parallel.pipeline.partition'
+    if isinstance(value, (list, tuple)):
+        if len(value) != stages:
+            raise _config_error(f"'{key}' = {list(value)} must list the blocks of each of the "
+                                f"{stages} pipeline stages (size x chunks), got {len(value)} "
+                                f"entries")
+        bad = [n for n in value if isinstance(n, bool) or not isinstance(n, numbers.Integral)
+               or n < 1]
+        if bad:
+            raise _config_error(f"'{key}' = {list(value)}: every stage needs a positive integer "
+                                f"number of blocks, got {bad[0]!r}")
+        return tuple(int(n) for n in value)
+    if not isinstance(value, str) or value not in PARTITIONS:
+        raise _config_error(f"'{key}' must be one of {list(PARTITIONS)} or a list of blocks per "
+                            f"stage, got {value!r}")
+    return value
 
 
 def _microbatches(config: Mapping) -> int:

@@ -11,7 +11,8 @@ is the sum of its blocks' weights plus the first/last part's weight on stages 0 
 
 * ``uniform``: every block weighs 1, the first and last parts 0 (equal block counts);
 * ``parameters``: weights are parameter counts (embeddings and heads included);
-* ``cost``: weights are measured forward+backward times (see :func:`measured_costs`).
+* ``cost``: weights are measured forward+backward times (see :func:`measured_costs`);
+* an explicit list of blocks per stage (:func:`explicit_cut`), e.g. the planner's BMW cut.
 
 Every stage holds at least one block, so ``n >= S`` (else a ValueError naming both).
 """
@@ -90,6 +91,21 @@ def uniform_cut(layers: int, stages: int) -> List[range]:
         size = base + (1 if s < extra else 0)
         out.append(range(start, start + size))
         start += size
+    return out
+
+
+def explicit_cut(counts: Sequence[int], layers: int) -> List[range]:
+    """The ranges of an explicit cut: ``counts[s]`` consecutive blocks on stage ``s``
+    (``parallel.pipeline.partition=[n_0, ..., n_{S-1}]``); a ValueError unless every count is
+    at least 1 and they sum to ``layers``."""
+    if any(n < 1 for n in counts) or sum(counts) != layers:
+        raise ValueError(f"'parallel.pipeline.partition' = {list(counts)} must give every "
+                         f"stage at least one block and sum to the model's {layers} layers, "
+                         f"got sum {sum(counts)}")
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
     return out
 
 

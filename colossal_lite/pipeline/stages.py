@@ -26,7 +26,7 @@ from torch import nn
 
 from ..context import ParallelMode, current_context
 from ..tensor.placement import param_placement, set_placement
-from .partition import StageSpec, balanced_cut, cut, rank_stages
+from .partition import StageSpec, balanced_cut, cut, explicit_cut, rank_stages
 
 # weights(method) -> (first part, block weight or one weight per block, last part)
 Weights = Callable[[str], Tuple[float, object, float]]
@@ -47,8 +47,13 @@ def my_stages(num_layers: int, weights: Optional[Weights] = None) -> List[StageS
     """This rank's stages for a model of ``num_layers`` blocks under the current context.
 
     ``weights(method)`` gives ``(first, block, last)`` weights for the ``parameters`` and
-    ``cost`` partitions."""
+    ``cost`` partitions; an explicit partition (a tuple of blocks per stage) is taken as is
+    (a ValueError unless it sums to ``num_layers``)."""
     size, settings = pipeline_settings()
+    if isinstance(settings.partition, tuple):  # an explicit cut: blocks per stage
+        ranges = explicit_cut(settings.partition, num_layers)
+        rank = current_context().axis(ParallelMode.PIPELINE).rank
+        return rank_stages(ranges, size, rank)
     if settings.stages == 1:
         return [StageSpec(0, 1, range(num_layers))]
     if num_layers < settings.stages:
