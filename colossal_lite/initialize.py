@@ -2,10 +2,13 @@
 
 Order (each step one small function):
 
-1. reject what this release cannot do yet (ZeRO stage 3 with pipeline, ZeRO with apex);
+1. reject what this release cannot do yet (ZeRO stage 3 with the zero-bubble or
+   interleaved pipeline schedules, ZeRO with apex);
 2. move the model to the run's device and broadcast its parameters and buffers
    from local rank 0 of the data-parallel group (DATA, or SEQUENCE_DP in
-   sequence mode) so every replica starts from the same weights;
+   sequence mode) so every replica starts from the same weights -- except a model
+   built on the meta device under ZeRO stage 3, which is drawn by name straight into
+   its chunk shards (``zero/chunk/lazy.py``);
 3. mixed precision from ``fp16`` (may cast the model and re-point the optimizer
    to fp32 master weights); with ``zero=dict(stage=1|2|3)`` the optimizer is first
    sharded (``zero/low_level.py``, ``zero/chunk/``) and its reduce-scatter replaces the
@@ -29,6 +32,7 @@ from .amp import build_amp
 from .config import load_config, parse_settings
 from .context import global_context as gpc
 from .engine import Engine, GradientReducer, broadcast_parameters, data_parallel_axis
+from .zero.chunk.lazy import check_meta_model
 from .zero.low_level import apply_zero, check_zero
 
 
@@ -70,8 +74,9 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, criteri
     """
     cfg = load_config(config) if config is not None else gpc.config
     _check_supported(cfg)
-    model.to(gpc.device)
-    broadcast_parameters(model)
+    if not check_meta_model(cfg, model):  # a meta model goes straight into ZeRO-3 chunks
+        model.to(gpc.device)
+        broadcast_parameters(model)
     amp, handler = (apply_zero(cfg, model, optimizer)  # ZeRO-1/2: its own handler, see zero/
                     or (build_amp(parse_settings(cfg).amp.as_dict(), model, optimizer), None))
     model, optimizer = amp.model, amp.optimizer

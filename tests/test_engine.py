@@ -146,8 +146,8 @@ def test_unsupported_config_and_failing_rank():
     model = build('gpt')
     with pytest.raises(NotImplementedError, match='ZeRO'):
         clt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       config=dict(zero=dict(stage=3), parallel=dict(pipeline=2),
-                                   num_microbatches=2))
+                       config=dict(zero=dict(stage=3), num_microbatches=2,
+                                   parallel=dict(pipeline=dict(size=2, schedule='zero_bubble'))))
     with pytest.raises(clt.ConfigError, match='bucket_mb'):
         clt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                        config=dict(gradient_handler=dict(bucket_mb=-1)))

@@ -333,6 +333,11 @@ BAD = [  # (section, substrings the message must hold: the key and the value)
      ["'zero.device_fraction' = 0.5 applies only to placement 'static'"]),
     (dict(stage=3, placement='static', device_fraction=1.5),
      ["'zero.device_fraction' must be in (0, 1], got 1.5"]),
+    (dict(stage=3, placement='cpu', device_margin_ratio=1.5),
+     ["'zero.device_margin_ratio' must be in [0, 1], got 1.5"]),
+    (dict(stage=3, device_margin_ratio=0.5),
+     ["'zero.device_margin_ratio' = 0.5 moves CPU master shards", "placement 'device'"]),
+    (dict(stage=1, device_margin_ratio=0.5), ["applies only to stage 3"]),
     (dict(stage=2, bucket=4), ["unknown config key 'zero.bucket'; did you mean 'bucket_mb'"]),
     ([('stage', 2)], ["'zero' must be a dict", "[('stage', 2)]"]),
 ]
@@ -353,10 +358,10 @@ def test_zero_settings_and_unsupported_combinations():
     assert parse_zero(dict(stage=3, placement='static', device_fraction=0.25,
                            device_memory_limit=2 ** 30)).device_fraction == 0.25
     model = build()
-    with pytest.raises(NotImplementedError, match='ZeRO stage 3 does not run with pipeline'):
+    with pytest.raises(NotImplementedError, match="ZeRO stage 3 with pipeline .*'zero_bubble'"):
         clt.initialize(model, optimizer(model.parameters()),
-                       config=dict(zero=dict(stage=3), parallel=dict(pipeline=2),
-                                   num_microbatches=2))
+                       config=dict(zero=dict(stage=3), num_microbatches=2,
+                                   parallel=dict(pipeline=dict(size=2, schedule='zero_bubble'))))
     with pytest.raises(NotImplementedError, match="'apex' is not supported with ZeRO"):
         clt.initialize(model, optimizer(model.parameters()),
                        config=dict(zero=dict(stage=2), fp16=dict(mode='apex')))

@@ -17,22 +17,26 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
 import types
+from contextlib import nullcontext
 
 import pytest
 import torch
 
 import colossal_lite as clt
+import colossal_lite.nn as col_nn
 from colossal_lite.config import ConfigError
 from colossal_lite.nn.optimizer import HybridAdam
+from colossal_lite.tensor import param_placement
 from colossal_lite.testing import (Trace, assert_close_dict, assert_matches_serial, engine_step,
                                    make_optimizer, max_rel_diff, plain_step, replica_batch, run_distributed,
                                    training_trace)
 from colossal_lite.zero.chunk import (DeviceBudgetExceeded, IllegalTransition, TensorState,
-                                      packed_waste, search_chunk_size)
+                                      building_into_chunks, packed_waste, search_chunk_size)
 from colossal_lite.zero.chunk.chunk import Chunk
 from colossal_lite.zero.low_level import check_zero
 from model_zoo import GPT, GPTLMLoss
@@ -110,6 +114,7 @@ def _worker(rank, init, cases, resume=False):
         out = {'trace': trace, 'ledger': manager.ledger.stats(), 'tied': tied,
                'chunks': len(manager.chunks), 'dp': manager.chunks[0].axis.size,
                'shard_elems': sum(c.shard_numel for c in manager.chunks),
+               'shards': [c.shard_numel for c in manager.chunks],
                'capacity_elems': sum(c.padded_numel for c in manager.chunks),
                'hits': getattr(policy, 'hits', None),
                'evictions': getattr(policy, 'evictions', None),
@@ -178,7 +183,7 @@ def test_chunk_zero_each_placement_equals_serial_adamw(serial, world):
         if zero['placement'] == 'cpu':
             assert ledger['used'] == 0 and ledger['moved_h2d'] > 0, ledger
         if zero['placement'] == 'static':
-            assert ledger['used'] == resident // 2, ledger   # 3 of 6 equal chunks
+            assert ledger['used'] == 16 * sum(o['shards'][:3]), ledger   # 3 of 6 chunks
 
 
 def test_chunk_zero_with_1d_tensor_parallel_inside(serial):
@@ -190,6 +195,136 @@ def test_chunk_zero_with_1d_tensor_parallel_inside(serial):
     per_rank = _run(4, init, cases, config=dict(parallel=TP2))
     for _ in _check_layout(per_rank, cases, traces, 2):
         pass
+
+
+class UsedInReverse(torch.nn.Module):
+    """Modules declared in the reverse of the order forward uses them."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = col_nn.Linear(16, 8)    # used last
+        self.mid = col_nn.Linear(16, 16)
+        self.inp = col_nn.Linear(8, 16)    # used first
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+REVERSE_CHUNK_MB = 420 * 4 / 2 ** 20      # 420 fp32 elements: out+mid | inp, then inp+mid | out
+USE_ORDER = [['inp.weight', 'inp.bias', 'mid.weight', 'mid.bias'], ['out.weight', 'out.bias']]
+
+
+def _reverse_batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
+def _mse(out, target):
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def _reverse_worker(rank, init, placement):
+    torch.manual_seed(1)
+    model = UsedInReverse()
+    model.load_state_dict(init)
+    zero = dict(stage=3, chunk_size_mb=REVERSE_CHUNK_MB, **placement)
+    engine, *_ = clt.initialize(model, make_optimizer(model.parameters()), _mse,
+                                config=dict(zero=zero))
+    names = {id(p): n for n, p in model.named_parameters()}
+    manager = engine.optimizer.manager
+
+    def packing():
+        return [[names[id(p)] for p in c.params] for c in manager.chunks]
+
+    before = packing()
+    trace = training_trace(engine, _reverse_batch(), steps=STEPS, step_fn=_step)
+    policy = manager.policy
+    resident = sum(16 * c.shard_numel for c in manager.chunks if policy.on_device(c))
+    return before, packing(), trace, manager.ledger.stats(), resident
+
+
+@pytest.mark.parametrize('placement', [dict(placement='static', device_fraction=0.5),
+                                       dict(placement='auto')], ids=['static', 'auto'])
+def test_chunks_are_repacked_in_traced_first_use_order(placement):
+    """A model whose modules are declared in the reverse of their use: chunks start in
+    module order, the warm-up step traces first use, and the next zero_grad re-packs
+    (different grouping: the masters and Adam's moments move across chunk boundaries);
+    the loss, every gradient and the parameters after each of 5 AdamW steps still equal
+    the serial run, and the device ledger holds exactly the new resident shards."""
+    torch.manual_seed(1)
+    model = UsedInReverse()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = training_trace(model, _reverse_batch(), steps=STEPS, step_fn=plain_step(
+        _mse, make_optimizer(model.parameters()), outputs=False))
+    per_rank = run_distributed(_reverse_worker, 2, {}, init, placement, timeout=TIMEOUT)
+    assert_matches_serial([r[2] for r in per_rank], ref)
+    for before, after, _, ledger, resident in per_rank:
+        assert before == [['out.weight', 'out.bias', 'mid.weight', 'mid.bias'],
+                          ['inp.weight', 'inp.bias']], before
+        assert after == USE_ORDER, after
+        assert ledger['used'] == resident, (ledger, resident)
+
+
+def _cpu_peak_bytes(fn):
+    """``(peak, result)``: the peak of CPU bytes allocated while ``fn`` runs, from the
+    profiler's memory events (each op's own allocations at its start, frees as they come)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e.time_range.start, e.self_cpu_memory_usage)
+                    for e in prof.profiler.function_events if e.self_cpu_memory_usage)
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, result
+
+
+def _built_into_chunks_worker(rank):
+    """The same GPT built whole and built on meta into its chunks (seed 1 both times)."""
+    zero = dict(stage=3, chunk_size_mb=CHUNK_MB, placement='cpu')
+    out = {}
+    for how in ('whole', 'meta'):
+        torch.manual_seed(1)
+
+        def build_and_shard():
+            with building_into_chunks(dict(zero=zero)) if how == 'meta' else nullcontext():
+                model = build()
+            engine, *_ = clt.initialize(model, make_optimizer(model.parameters()), GPTLMLoss(),
+                                        config=dict(zero=zero))
+            return engine
+        peak, engine = _cpu_peak_bytes(build_and_shard)
+        chunks = engine.optimizer.manager.chunks
+        out[how] = {'peak': peak, 'shards': [c.master.detach().clone() for c in chunks],
+                    'packing': [[tuple(s) for s in c.shapes] for c in chunks],
+                    'shard_bytes': sum(4 * c.shard_numel for c in chunks),
+                    'largest': max(4 * math.prod(param_placement(p).shape)
+                                   for c in chunks for p in c.params),
+                    'state': engine.model.state_dict(),
+                    'trace': training_trace(engine, global_batch(), steps=2, step_fn=_step)}
+    return out
+
+
+@pytest.mark.parametrize('config, world', [({}, 4), (dict(parallel=TP2), 4)],
+                         ids=['dp4', 'dp2-tp2'])
+def test_model_built_straight_into_chunks(serial, config, world):
+    """Built under ``building_into_chunks`` (the meta device), the model is materialized
+    by ``initialize`` into this rank's chunk shards, drawn by name: the shards equal those
+    of the model built whole bit for bit, ``state_dict()`` is the serial initial weights,
+    two AdamW steps equal serial, and the peak of CPU bytes allocated by the build and
+    ``initialize`` stays within the rank's fp32 shards plus the largest single parameter
+    drawn in full (+10%) -- far below the whole model, which the whole build allocates."""
+    init, traces, numel = serial
+    per_rank = run_distributed(_built_into_chunks_worker, world, config, timeout=TIMEOUT)
+    assert_matches_serial([r['meta']['trace'] for r in per_rank], _first(traces['plain'], 2))
+    for r in per_rank:
+        whole, meta = r['whole'], r['meta']
+        assert meta['packing'] == whole['packing']
+        assert all(torch.equal(a, b) for a, b in zip(meta['shards'], whole['shards']))
+        assert set(meta['state']) == set(init)
+        assert all(torch.equal(meta['state'][k], init[k]) for k in init)
+        bound = 1.1 * (meta['shard_bytes'] + meta['largest'])
+        assert meta['peak'] <= bound < 4 * numel <= whole['peak'], (meta, whole['peak'])
 
 
 def test_state_dicts_resume_the_serial_run(serial):
@@ -230,6 +365,97 @@ def test_auto_under_a_budget_below_the_model_data(serial, share):
     assert moved['auto'] < moved['cpu'], moved
     assert auto['hits'] > 0 and auto['non_model'] > 0, auto
     assert (auto['evictions'] > 0) == (share == 0.5), auto
+
+
+ADAPTIVE_LIMIT = 580_000   # leaves ~150 kB of margin after the warm-up: 3 of 6 chunks move
+
+
+def _adaptive_worker(rank, init, zero):
+    engine = _engine(init, zero)
+    manager = engine.optimizer.manager
+    ledgers = []
+
+    def step(engine, batch):
+        out = _step(engine, batch)
+        ledgers.append(dict(manager.ledger.stats()))
+        return out
+    trace = training_trace(engine, global_batch(), steps=STEPS, step_fn=step)
+    return {'trace': trace, 'ledgers': ledgers, 'adaptive': engine.optimizer.adaptive,
+            'shards': [c.shard_numel for c in manager.chunks],
+            'non_model': engine.optimizer.hooks.trace.non_model_peak}
+
+
+def test_adaptive_hybrid_adam_moves_masters_to_the_device_within_the_budget(serial):
+    """zero.device_margin_ratio=1 with placement 'cpu' under a device budget: after the
+    warm-up step the master shards (and moments) of the first chunks move to the device
+    while 16 bytes per element fit in the margin (limit - accounted warm-up peak - traced
+    non-model peak), greedily in chunk order. Exact accounting: the resident bytes equal
+    16 x the promoted shard elements, every later step moves to the host exactly the
+    gradient shards of the chunks left on the CPU (4 bytes per element), the peak stays
+    under the limit, fewer bytes move than with plain 'cpu'; the run equals serial."""
+    init, traces, numel = serial
+    base = dict(stage=3, chunk_size_mb=CHUNK_MB, placement='cpu',
+                device_memory_limit=ADAPTIVE_LIMIT)
+    runs = {}
+    for key, zero in (('cpu', base), ('adaptive', dict(base, device_margin_ratio=1.0))):
+        per_rank = run_distributed(_adaptive_worker, 2, {}, init, zero, timeout=TIMEOUT)
+        assert_matches_serial([r['trace'] for r in per_rank], _first(traces['plain']))
+        runs[key] = per_rank[0]
+    cpu, adaptive = runs['cpu'], runs['adaptive']
+    assert cpu['adaptive'] is None and cpu['ledgers'][-1]['used'] == 0
+    warm = adaptive['ledgers'][0]
+    margin = ADAPTIVE_LIMIT - warm['peak'] - adaptive['non_model']
+    promoted, room = [], margin
+    for index, s in enumerate(adaptive['shards']):
+        if 16 * s <= room:
+            promoted.append(index)
+            room -= 16 * s
+    assert adaptive['adaptive'] == {'margin': margin, 'promoted': promoted}, adaptive
+    assert 0 < len(promoted) < len(adaptive['shards']), promoted
+    resident = sum(16 * adaptive['shards'][i] for i in promoted)
+    on_cpu = sum(4 * s for i, s in enumerate(adaptive['shards']) if i not in promoted)
+    ledgers = adaptive['ledgers']
+    for before, after in zip(ledgers[1:], ledgers[2:]):
+        assert after['used'] == resident, after
+        assert after['moved_d2h'] - before['moved_d2h'] == on_cpu, (before, after)
+    assert max(lg['peak'] for lg in ledgers) <= ADAPTIVE_LIMIT
+    moved = {k: r['ledgers'][-1]['moved_h2d'] + r['ledgers'][-1]['moved_d2h']
+             for k, r in runs.items()}
+    assert moved['adaptive'] < moved['cpu'], moved
+
+
+def _pipeline_worker(rank, init, zero, extra):
+    """This rank's stage of the GPT (4 micro-batches), chunk ZeRO over the stage's DATA
+    group; the trace's parameters are the stage's own keys."""
+    torch.manual_seed(1)
+    model = build()
+    model.load_state_dict(init, strict=False)
+    engine, *_ = clt.initialize(model, make_optimizer(model.parameters()), GPTLMLoss(),
+                                config=dict(zero=zero, **extra))
+    chunks = engine.optimizer.manager.chunks
+    tied = [c for c in chunks if c.tied_across_stages]
+    trace = training_trace(engine, global_batch(), steps=STEPS, step_fn=_step)
+    return trace, len(tied), [len(c.params) for c in tied]
+
+
+@pytest.mark.parametrize('schedule, placement, clip', [
+    ('1f1b', 'device', 0.0), ('1f1b', 'cpu', CLIP), ('gpipe', 'auto', 0.0)],
+    ids=['1f1b-device', '1f1b-cpu-clip', 'gpipe-auto'])
+def test_chunk_zero_with_pipeline_equals_serial(serial, schedule, placement, clip):
+    """dp=2 x pipeline=2, 4 micro-batches (several in flight on a stage): each stage's chunks
+    over its DATA group; the loss, every gradient the stage holds (gathered from the chunk
+    shards; the embedding tied across the first and last stage alone in its chunk, its
+    gradient summed over EMBEDDING) and every parameter after each of 5 AdamW steps equal
+    serial, with clipping too (the serial norm)."""
+    init, traces, numel = serial
+    zero = dict(stage=3, chunk_size_mb=CHUNK_MB, placement=placement)
+    extra = dict(parallel=dict(pipeline=dict(size=2, schedule=schedule)), num_microbatches=4)
+    if clip:
+        extra['clip_grad_norm'] = clip
+    per_rank = run_distributed(_pipeline_worker, 4, extra, init, zero, extra, timeout=TIMEOUT)
+    assert_matches_serial([r[0] for r in per_rank], _first(traces['clip' if clip else 'plain']))
+    for _, tied, sizes in per_rank:   # wte: on the first and the last stage
+        assert tied == 1 and sizes == [1], (tied, sizes)
 
 
 def _amp_worker(rank, init, fp16):
@@ -316,7 +542,7 @@ def test_a_budget_that_cannot_hold_one_chunk_is_a_named_error():
 def test_tensor_state_table():
     """Legal moves pass, every other move raises IllegalTransition."""
     S = TensorState
-    legal = {(S.FREE, S.COMPUTE), (S.FREE, S.FREE), (S.COMPUTE, S.HOLD),
+    legal = {(S.FREE, S.COMPUTE), (S.FREE, S.FREE), (S.FREE, S.HOLD), (S.COMPUTE, S.HOLD),
              (S.COMPUTE, S.HOLD_AFTER_BWD), (S.HOLD, S.COMPUTE), (S.HOLD, S.FREE),
              (S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE), (S.HOLD_AFTER_BWD, S.FREE),
              (S.READY_FOR_REDUCE, S.FREE)}
@@ -349,8 +575,12 @@ def test_chunk_size_search_picks_least_waste():
 def test_stage3_combinations_not_built_are_named():
     with pytest.raises(NotImplementedError, match="'apex'"):
         check_zero(dict(zero=dict(stage=3), fp16=dict(mode='apex')))
-    with pytest.raises(NotImplementedError, match='pipeline = 2'):
-        check_zero(dict(zero=dict(stage=3), parallel=dict(pipeline=2), num_microbatches=2))
+    with pytest.raises(NotImplementedError, match="'zero_bubble' with chunks = 1"):
+        check_zero(dict(zero=dict(stage=3), num_microbatches=2,
+                        parallel=dict(pipeline=dict(size=2, schedule='zero_bubble'))))
+    with pytest.raises(NotImplementedError, match="'interleaved' with chunks = 2"):
+        check_zero(dict(zero=dict(stage=3), num_microbatches=4,
+                        parallel=dict(pipeline=dict(size=2, chunks=2))))
     with pytest.raises(ConfigError, match='placement'):
         check_zero(dict(zero=dict(stage=3, placement='gpu')))
 

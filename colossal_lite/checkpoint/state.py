@@ -11,6 +11,9 @@ it with the same value.
   the local shards (:class:`DTensorViews`, no communication); ZeRO 1/2 slots and any
   placement without a DTensor form as full tensors (all_gather over the cuts and the
   ZeRO reduce group). Loading copies DTensor local shards in place and cuts full tensors.
+  Chunk ZeRO (stage 3) and ZeRO 1/2 under naive fp16 keep their weights in the ZeRO fp32
+  masters: their ``'model.'`` tensors go full, gathered from the masters
+  (``ZeroOptimizer.full_weights``), and load back into the masters (``load_full_weights``).
 * :func:`tensor_state` / :func:`load_tensor_state` -- everything as full tensors (a plain
   serial script with no process group).
 * :func:`side_state` / :func:`load_side_state`, :func:`rng_state` / :func:`load_rng_state`
@@ -36,13 +39,43 @@ def _is_chunk_optimizer(optimizer) -> bool:
 
 
 def check_supported(engine) -> None:
+    """Every engine checkpoints (ZeRO stage 3 and ZeRO with naive fp16 through their fp32
+    masters, :func:`_zero_weights`); kept as the hook for what may not."""
+
+
+def _weights_in_zero_masters(engine) -> bool:
+    """Chunk ZeRO (the parameters hold no storage between passes) and ZeRO 1/2 under naive
+    fp16 (the parameters are half-precision copies): the weights are the ZeRO fp32 masters."""
     from ..zero.low_level import ZeroNaiveAmp
-    if isinstance(engine.amp, ZeroNaiveAmp):
-        raise NotImplementedError('checkpoints of ZeRO with fp16 mode \'naive\' are not '
-                                  'implemented yet (the fp32 masters are ZeRO slices)')
-    if _is_chunk_optimizer(engine.optimizer):
-        raise NotImplementedError('checkpoints of chunk-based ZeRO stage 3 engines are not '
-                                  'implemented yet; use ZeRO stage 1/2 or none')
+    return isinstance(engine.optimizer, ZeroOptimizer) and (
+        _is_chunk_optimizer(engine.optimizer) or isinstance(engine.amp, ZeroNaiveAmp))
+
+
+def _zero_weights(engine) -> Dict[str, torch.Tensor]:
+    """``{'model.<key>': full tensor}`` of every parameter (under each tied name) from the
+    ZeRO fp32 masters, plus the persistent buffers (collective: ``full_weights``)."""
+    by_id = engine.optimizer.full_weights()
+    flat = {MODEL + name: by_id[id(p)] for name, p in _model_params(engine.model)
+            if id(p) in by_id}
+    missing = [name for name, p in _model_params(engine.model) if id(p) not in by_id]
+    if missing:
+        raise ValueError(f'ZeRO does not step {len(missing)} parameter(s) of the model (e.g. '
+                         f'{missing[:3]}); a checkpoint of their weights needs them in the '
+                         f'optimizer')
+    for key, buf in persistent_buffers(engine.model):
+        flat[MODEL + key] = buf.detach()
+    return flat
+
+
+@torch.no_grad()
+def _load_zero_weights(engine, flat: Dict[str, torch.Tensor]) -> None:
+    """The inverse of :func:`_zero_weights` (full tensors; no communication)."""
+    weights = {id(p): flat[MODEL + name] for name, p in _model_params(engine.model)
+               if MODEL + name in flat}
+    engine.optimizer.load_full_weights(weights)
+    for key, buf in persistent_buffers(engine.model):
+        if MODEL + key in flat:
+            buf.copy_(flat[MODEL + key])
 
 
 # ---------------------------------------------------------------------- names
@@ -102,8 +135,12 @@ def _full_optimizer_state(engine) -> Dict[str, Dict[str, object]]:
 def tensor_state(engine) -> Dict[str, torch.Tensor]:
     """Flat ``{'model.<key>' | 'optim.<name>.<slot>': full tensor}`` (collective)."""
     check_supported(engine)
-    flat = {MODEL + k: v.detach() for k, v in engine.model.state_dict().items()}
-    masters = _masters(engine)
+    if _weights_in_zero_masters(engine):
+        flat = _zero_weights(engine)
+        masters = {}
+    else:
+        flat = {MODEL + k: v.detach() for k, v in engine.model.state_dict().items()}
+        masters = _masters(engine)
     for name, p in _model_params(engine.model):
         if id(p) in masters:
             flat[MODEL + name] = param_placement(p).gather(masters[id(p)].detach())
@@ -146,12 +183,15 @@ def sharded_tensor_state(engine, views: DTensorViews) -> Dict[str, torch.Tensor]
     views of the local shards (no gather); the rest full (collective only where full)."""
     check_supported(engine)
     flat, masters = {}, _masters(engine)
-    for name, p in _model_params(engine.model):
-        placement, weight = param_placement(p), masters.get(id(p), p).detach()
-        dt = views.view(weight, placement)
-        flat[MODEL + name] = dt if dt is not None else placement.gather(weight)
-    for key, buf in persistent_buffers(engine.model):
-        flat[MODEL + key] = buf.detach()
+    if _weights_in_zero_masters(engine):
+        flat = _zero_weights(engine)
+    else:
+        for name, p in _model_params(engine.model):
+            placement, weight = param_placement(p), masters.get(id(p), p).detach()
+            dt = views.view(weight, placement)
+            flat[MODEL + name] = dt if dt is not None else placement.gather(weight)
+        for key, buf in persistent_buffers(engine.model):
+            flat[MODEL + key] = buf.detach()
     optimizer = engine.optimizer
     if isinstance(optimizer, ZeroOptimizer):
         slots = _full_optimizer_state(engine)
@@ -175,8 +215,9 @@ def sharded_targets(engine, saved: dict, views: DTensorViews) -> Dict[str, torch
     """Empty tensors DCP fills in place for this rank's keys (``saved``: DCP's
     ``state_dict_metadata``): DTensor views of this rank's shard where the placement has
     one (DCP reads only the chunks covering it), full tensors otherwise."""
-    keys = wanted_keys(engine, saved)
-    params = {MODEL + n: p for n, p in _model_params(engine.model)}
+    keys, masters = wanted_keys(engine, saved), _masters(engine)
+    params = ({} if _weights_in_zero_masters(engine)  # full tensors, cut by the masters
+              else {MODEL + n: p for n, p in _model_params(engine.model)})
     if not isinstance(engine.optimizer, ZeroOptimizer):
         for name, p, _ in optimizer_params(engine):
             params[f'{OPTIM}{name}.'] = p
@@ -188,8 +229,13 @@ def sharded_targets(engine, saved: dict, views: DTensorViews) -> Dict[str, torch
             p = params.get(key[:key.rfind('.') + 1])
         placement = param_placement(p) if p is not None else None
         if placement is not None and tuple(meta.size) == placement.shape:
-            local = torch.empty(placement.local_shape(), dtype=meta.properties.dtype,
-                                device=p.device)
+            weight = masters.get(id(p), p).detach() if key.startswith(MODEL) else None
+            if weight is not None and weight.dtype == meta.properties.dtype \
+                    and weight.is_contiguous():
+                local = weight  # DCP reads straight into the weight: no second copy
+            else:
+                local = torch.empty(placement.local_shape(), dtype=meta.properties.dtype,
+                                    device=p.device)
             dt = views.view(local, placement)
             if dt is not None:
                 out[key] = dt
@@ -202,6 +248,10 @@ def load_sharded_tensor_state(engine, flat: Dict[str, torch.Tensor]) -> None:
     """Load what :func:`sharded_targets` received: DTensor entries are this rank's shards,
     the others full tensors cut as :func:`load_tensor_state` does (no communication)."""
     from torch.distributed.tensor import DTensor
+    if _weights_in_zero_masters(engine):
+        _load_zero_weights(engine, flat)
+        load_tensor_state_optimizer(engine, flat)
+        return
     local = {k: v for k, v in flat.items() if isinstance(v, DTensor)}
     full = {k: v for k, v in flat.items() if k not in local}
     with torch.no_grad():
@@ -263,6 +313,10 @@ def load_tensor_state_optimizer(engine, flat: Dict[str, torch.Tensor]) -> None:
 def load_tensor_state(engine, flat: Dict[str, torch.Tensor]) -> None:
     """Load full tensors (keys as :func:`tensor_state`) into this rank's layout."""
     check_supported(engine)
+    if _weights_in_zero_masters(engine):
+        _load_zero_weights(engine, flat)
+        load_tensor_state_optimizer(engine, flat)
+        return
     model_state = {k[len(MODEL):]: v for k, v in flat.items() if k.startswith(MODEL)}
     engine.model.load_state_dict(model_state)
     load_tensor_state_optimizer(engine, flat)
@@ -282,7 +336,8 @@ def _load_plain_optimizer(engine, slots: Dict[str, Dict[str, torch.Tensor]]) -> 
                 value = value.to_local().to(t.device, t.dtype)
             elif value.dim() > 0:
                 value = placement.shard(value).to(t.device, t.dtype)
-            state[slot] = value.clone()
+            whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+            state[slot] = value if whole else value.clone()  # a loaded target is kept, not copied
         optimizer.state[t] = state
 
 

@@ -12,7 +12,11 @@
   'auto'; default 'device'), ``device_memory_limit`` (positive number of bytes, or
   None for the free device memory), ``chunk_size_mb`` (positive number, or None to
   search), ``device_fraction`` (0 < f <= 1, the share of chunks kept on the device;
-  only with ``placement='static'``).
+  only with ``placement='static'``), ``device_margin_ratio`` (0 <= r <= 1, default 0:
+  after the warm-up step, fp32 master shards homed on the CPU move to the device while
+  they fit in r times the margin the warm-up left under ``device_memory_limit`` --
+  Colossal-AI's adaptive HybridAdam; not with placement 'device', which homes them all
+  there already).
 
 A key of the other family of stages is an error (it would silently do nothing).
 Every bad value raises :class:`~colossal_lite.config.ConfigError` naming the key and
@@ -29,7 +33,8 @@ from ..config import ConfigError, _check_keys, _positive_finite
 STAGES = (1, 2, 3)
 PLACEMENTS = ('device', 'cpu', 'static', 'auto')
 LOW_LEVEL_KEYS = ('bucket_mb', 'overlap', 'offload_optimizer')
-CHUNK_KEYS = ('placement', 'device_memory_limit', 'chunk_size_mb', 'device_fraction')
+CHUNK_KEYS = ('placement', 'device_memory_limit', 'chunk_size_mb', 'device_fraction',
+              'device_margin_ratio')
 KEYS = ('stage',) + LOW_LEVEL_KEYS + CHUNK_KEYS
 
 
@@ -43,6 +48,7 @@ class ZeroSettings:
     device_memory_limit: Optional[float] = None
     chunk_size_mb: Optional[float] = None
     device_fraction: float = 1.0
+    device_margin_ratio: float = 0.0
 
     @property
     def bucket_bytes(self) -> int:
@@ -107,7 +113,13 @@ def parse_zero(section: Optional[Mapping]) -> Optional[ZeroSettings]:
                           f"placement 'static', got placement {placement!r}")
     if not (_positive_finite(fraction) and fraction <= 1):
         raise ConfigError(f"'zero.device_fraction' must be in (0, 1], got {fraction!r}")
+    ratio = section.get('device_margin_ratio', 0.0)
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 <= ratio <= 1:
+        raise ConfigError(f"'zero.device_margin_ratio' must be in [0, 1], got {ratio!r}")
+    if ratio and placement == 'device':
+        raise ConfigError(f"'zero.device_margin_ratio' = {ratio!r} moves CPU master shards to "
+                          f"the device, but placement 'device' has none on the CPU")
     return ZeroSettings(stage=3, placement=placement,
                         device_memory_limit=_positive(section, 'device_memory_limit', None, True),
                         chunk_size_mb=_positive(section, 'chunk_size_mb', None, True),
-                        device_fraction=float(fraction))
+                        device_fraction=float(fraction), device_margin_ratio=float(ratio))

@@ -97,6 +97,34 @@ class ZeroOptimizer:
         for b in self.buckets:
             b.master.copy_(b.own(b.flatten([p.detach() for p in b.params])))
 
+    # ------------------------------------------------------------------ fp32 weights
+    def full_weights(self) -> Dict[int, torch.Tensor]:
+        """``id(param) -> full fp32 weight`` read from the masters (the weights a checkpoint
+        keeps under naive AMP or stage 3; collective: one all_gather of ``padded_numel``
+        fp32 elements per bucket over its reduce group, then the tensor-parallel gathers)."""
+        out = {}
+        for b in self.buckets:
+            flat = b.gather(b.master.detach())
+            for p, view in zip(b.params, b.views(flat)):
+                out[id(p)] = param_placement(p).gather(view.clone()).cpu()
+        return out
+
+    @torch.no_grad()
+    def load_full_weights(self, weights: Dict[int, torch.Tensor]):
+        """Masters from full fp32 weights (``id(param) -> tensor``; cut over the
+        tensor-parallel modes, sliced; no communication), then the model's parameters from
+        them (:meth:`_weights_loaded`)."""
+        for b in self.buckets:
+            locals_ = [param_placement(p).shard(weights[id(p)]).to(b.master.device, torch.float32)
+                       for p in b.params]
+            b.master.copy_(b.own(b.flatten(locals_)))
+            self._weights_loaded(b, locals_)
+
+    def _weights_loaded(self, bucket: FlatBucket, locals_: List[torch.Tensor]):
+        """Stages 1/2: the (possibly half-precision) parameters take the loaded weights."""
+        for p, value in zip(bucket.params, locals_):
+            p.copy_(value.to(p.device, p.dtype))
+
     # ------------------------------------------------------------------ state dicts
     def _slots(self, bucket: FlatBucket) -> dict:
         return self.optim.state.get(bucket.master, {})

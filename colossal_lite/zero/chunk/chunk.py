@@ -25,6 +25,7 @@ Tensor states (one per parameter, for one forward/backward pass)::
     COMPUTE --gradient accumulated--> HOLD_AFTER_BWD
     HOLD_AFTER_BWD --every tensor of the chunk is done--> READY_FOR_REDUCE
     HOLD, HOLD_AFTER_BWD, READY_FOR_REDUCE --next pass--> FREE
+    FREE --a pipeline stage starts the backward of an earlier micro-batch--> HOLD
 
 Anything else raises :class:`IllegalTransition`.
 """
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -52,7 +53,7 @@ class TensorState(enum.Enum):
 
 S = TensorState
 LEGAL: Dict[TensorState, frozenset] = {
-    S.FREE: frozenset({S.COMPUTE, S.FREE}),
+    S.FREE: frozenset({S.COMPUTE, S.FREE, S.HOLD}),
     S.COMPUTE: frozenset({S.HOLD, S.HOLD_AFTER_BWD}),
     S.HOLD: frozenset({S.COMPUTE, S.FREE}),
     S.HOLD_AFTER_BWD: frozenset({S.READY_FOR_REDUCE, S.FREE}),
@@ -70,21 +71,31 @@ class Chunk(FlatBucket):
     gradient accumulation; adds the capacity, the tensor states and the gathered buffer."""
 
     def __init__(self, index: int, params: Sequence[torch.nn.Parameter], capacity: int,
-                 axis: ProcessGroupAxis, group_index: int, master_device: torch.device):
+                 axis: ProcessGroupAxis, group_index: int, master_device: torch.device,
+                 shard: Optional[torch.Tensor] = None,
+                 shapes: Optional[Sequence[torch.Size]] = None,
+                 device: Optional[torch.device] = None):
         self.index = index
         self.params = list(params)
         self.axis, self.group_index = axis, group_index
-        self.numels = [p.numel() for p in self.params]
+        # ``shapes``: the parameters' shapes when their storage is swapped out (re-packing)
+        self.shapes = list(shapes) if shapes is not None else [p.shape for p in self.params]
+        self.numels = [s.numel() for s in self.shapes]
         self.offsets = [0, *itertools.accumulate(self.numels)][:-1]
         self.numel = sum(self.numels)
         if capacity < self.numel or capacity % axis.size:
             raise ValueError(f'chunk capacity {capacity} must hold {self.numel} elements and '
                              f'be divisible by the data-parallel size {axis.size}')
-        self._dtype, self._device = self.params[0].dtype, self.params[0].device
+        # ``device``: where gathered chunks live (the parameters may still be on meta)
+        self._dtype, self._device = self.params[0].dtype, device or self.params[0].device
         self.padded_numel = capacity
         self.shard_numel = capacity // axis.size
         self.start = axis.rank * self.shard_numel
-        shard = self.own(self.flatten([p.detach() for p in self.params]))
+        if shard is None:   # this rank's slice of the parameters' current values
+            shard = self.own(self.flatten([p.detach() for p in self.params]))
+        if shard.numel() != self.shard_numel:
+            raise ValueError(f'chunk {index}: a shard of {shard.numel()} elements was given, '
+                             f'the chunk needs {self.shard_numel}')
         self.master = torch.nn.Parameter(shard.to(master_device, torch.float32, copy=True))
         placement = param_placement(self.params[0])
         self.grad_sum = placement.grad_sum
@@ -95,7 +106,6 @@ class Chunk(FlatBucket):
         self.full = None
         self.grad_full = None
         self.with_grad: set = set()
-        self.shapes = [p.shape for p in self.params]
 
     # the parameters' data is swapped out while released, so dtype/device are kept here
     @property

@@ -1,9 +1,10 @@
 """Chunk ZeRO (stage 3) wired into the Engine: module hooks, the gradient handler and the
 optimizer over chunk shards.
 
-:func:`build_chunk_zero` packs the parameters of the user's Adam/AdamW (module order: the
-order a transformer first uses them) into chunks (:mod:`.manager`), installs the hooks and
-returns the Engine's ``(amp, gradient_handler)``:
+:func:`build_chunk_zero` packs the parameters of the user's Adam/AdamW into chunks
+(:mod:`.manager`; module order at first, then, at the first ``zero_grad`` after the warm-up
+step, re-packed in the order that step first used them: :meth:`ChunkOptimizer.repack`),
+installs the hooks and returns the Engine's ``(amp, gradient_handler)``:
 
 * forward pre-hook of every module owning parameters: all_gather their chunks (tensors
   COMPUTE); post-hook: tensors HOLD, a chunk whose tensors all hold is released, and a
@@ -18,7 +19,14 @@ returns the Engine's ``(amp, gradient_handler)``:
   with the serial keys; ``model.load_state_dict(full)`` writes this rank's shards;
 * precision: ``fp16=dict(mode='naive')`` casts the model, so the chunks become fp16/bf16
   (gradients share their storage) over fp32 masters, with the stage 1/2 ``ZeroNaiveAmp``
-  (overflow agreed over every rank); ``mode='torch'`` autocasts fp32 chunks.
+  (overflow agreed over every rank); ``mode='torch'`` autocasts fp32 chunks;
+* pipeline parallelism ('gpipe', '1f1b'; one stage per rank): each stage's chunks over its
+  DATA group. Several micro-batches are in flight on a stage, so the tensor states are
+  reset per schedule action: each forward call starts a pass (``begin_pass``) and the
+  first module backward hook of a micro-batch starts its backward (``begin_backward``:
+  FREE -> HOLD); every backward call completes its chunks' gradients, which are reduce-scattered
+  and accumulated into the shards. The weight tied across the first and the last stage is
+  alone in its chunk; ``synchronize`` sums its gradient shard over EMBEDDING.
 """
 from __future__ import annotations
 
@@ -28,13 +36,17 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ...amp import FullPrecision
+from ...communication import collective as C
 from ...context import ParallelMode, global_context as gpc
 from ...engine.gradient_handler import data_parallel_axis
 from ...nn.optimizer import CPUAdam, adam_step
 from ...tensor import param_placement
+from ...tensor.init import materialize
+from ..buckets import reduce_axis
 from ..low_level import zero_amp
-from ..optimizer import ZeroOptimizer, _parameter_names, check_optimizer
+from ..optimizer import ZeroOptimizer, _is_slice, _parameter_names, check_optimizer
 from .chunk import Chunk
+from .lazy import has_meta_parameters, init_shard, swap_meta_parameters
 from .manager import ChunkManager
 from .search import search_chunk_size
 from .tracer import MemoryTracer
@@ -47,10 +59,11 @@ def check_chunk_zero(cfg: Mapping):
     if (settings.amp.as_dict() or {}).get('mode') == 'apex':
         raise NotImplementedError("fp16 mode 'apex' is not supported with ZeRO (apex amp keeps "
                                   "its own unsharded master weights); use mode 'torch' or 'naive'")
-    if settings.layout.pipeline > 1:
-        raise NotImplementedError(f'ZeRO stage 3 does not run with pipeline parallelism, got '
-                                  f'pipeline = {settings.layout.pipeline}; use '
-                                  f'zero=dict(stage=2) with pipelines')
+    pipe = settings.pipeline
+    if pipe.size > 1 and (pipe.schedule == 'zero_bubble' or pipe.chunks > 1):
+        raise NotImplementedError(f"ZeRO stage 3 with pipeline parallelism runs the 'gpipe' and "
+                                  f"'1f1b' schedules with one stage per rank, got schedule "
+                                  f"{pipe.schedule!r} with chunks = {pipe.chunks}")
 
 
 class ChunkGradientHandler:
@@ -66,7 +79,16 @@ class ChunkGradientHandler:
         pass
 
     def synchronize(self):
+        """Wait for the reductions; a weight held by the first and the last pipeline stage
+        (its own chunk) has its gradient shard summed over EMBEDDING (one all_reduce of
+        ``shard_numel`` elements)."""
         self.manager.flush()
+        for chunk in self.manager.chunks:
+            if chunk.tied_across_stages:
+                master = chunk.master
+                grad = master.grad if master.grad is not None else torch.zeros_like(master)
+                master.grad = C.all_reduce(grad.to(chunk.device), ParallelMode.EMBEDDING
+                                           ).to(master.device).clone()
         self._on_sync()
 
     def discard(self):
@@ -85,9 +107,88 @@ class ChunkOptimizer(ZeroOptimizer):
                                           'maximize')
         self.optim, self.stage, self.offload = optimizer, 3, False
         self._names, self.manager, self.reducer = names, manager, handler
-        self.buckets: List[Chunk] = manager.chunks
-        for index, group in enumerate(optimizer.param_groups):
+        self.buckets: List[Chunk] = manager.chunks   # re-packing replaces its items in place
+        self.hooks: Optional['_Hooks'] = None
+        self.margin_ratio = 0.0        # zero.device_margin_ratio (adaptive HybridAdam)
+        self.adaptive: Optional[dict] = None
+        self._point_groups()
+
+    def _point_groups(self):
+        for index, group in enumerate(self.optim.param_groups):
             group['params'] = [c.master for c in self.buckets if c.group_index == index]
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear the shards' gradients; after the warm-up step, the first clean point, re-pack
+        the chunks in the traced first-use order (:meth:`repack`)."""
+        super().zero_grad(set_to_none)
+        order = self.hooks.take_first_use_order() if self.hooks is not None else None
+        if order is None:
+            return
+        if self.repack(order):
+            self.hooks.retrace()
+        if self.margin_ratio:
+            self.adapt(self.margin_ratio, self.hooks.trace.non_model_peak)
+
+    @torch.no_grad()
+    def adapt(self, ratio: float, non_model_bytes: int = 0):
+        """Adaptive HybridAdam (after the warm-up step, between steps): move CPU-homed
+        master shards, with their moments, to the device in chunk (first-use) order while
+        their 16 bytes per element fit in ``ratio`` times the margin the warm-up left:
+        ``device_memory_limit - accounted peak - traced non-model peak`` (everything when
+        there is no limit). From then on those shards update on the device (the user's
+        optimizer: torch's fused Adam on an accelerator) and the rest on the CPU (the C++
+        kernel). No communication; ``self.adaptive`` records the margin and the chunks."""
+        policy, ledger = self.manager.policy, self.manager.ledger
+        margin = (math.inf if ledger.limit is None
+                  else ratio * (ledger.limit - ledger.peak - non_model_bytes))
+        start, promoted = margin, []
+        for chunk in self.buckets:
+            need = 16 * chunk.shard_numel
+            if policy.on_device(chunk) or need > margin:
+                continue
+            policy.promote(chunk)
+            margin -= need
+            promoted.append(chunk.index)
+            master = chunk.master
+            master.data = master.data.to(policy.device)
+            for key, value in self.optim.state.get(master, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    self.optim.state[master][key] = value.to(policy.device)
+        self.adaptive = {'margin': start, 'promoted': promoted}
+
+    @torch.no_grad()
+    def repack(self, order: List[torch.nn.Parameter]) -> bool:
+        """Re-form the chunks with the parameters packed in ``order`` (between steps, no
+        gradients held): the fp32 masters and Adam's moments move to the new chunks' shards
+        (one all_gather per old chunk and tensor, ``ChunkManager.repack``), the step counts
+        stay, the optimizer is re-pointed. False (nothing changed) when the packing is the
+        same, or when the chunks' step counts differ (a new chunk could not hold one)."""
+        packed = self.manager.plan(order)
+        old = list(self.buckets)
+        if [[id(p) for p in ps] for ps, _ in packed] == [[id(p) for p in c.params] for c in old]:
+            return False
+        if any(c.master.grad is not None for c in old):
+            raise RuntimeError('chunks are re-packed only without gradients (after zero_grad)')
+        states = [self.optim.state.get(c.master, {}) for c in old]
+        keys = set(states[0])
+        if any(set(st) != keys for st in states):
+            return False
+        sliced = sorted(k for k in keys if _is_slice(states[0][k], old[0]))
+        scalars = {k: states[0][k] for k in keys if k not in sliced}
+        if any(not _same(st[k], v) for st in states for k, v in scalars.items()):
+            return False
+        shards = {'master': [c.master.detach() for c in old]}
+        shards.update({k: [st[k] for st in states] for k in sliced})
+        new = self.manager.repack(packed, shards)
+        for c in old:
+            self.optim.state.pop(c.master, None)
+        self._point_groups()
+        if keys:
+            for index, chunk in enumerate(self.buckets):
+                self.optim.state[chunk.master] = {
+                    **{k: new[k][index] for k in sliced},
+                    **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}}
+        return True
 
     def step(self, closure=None):
         if closure is not None:
@@ -128,6 +229,11 @@ class ChunkOptimizer(ZeroOptimizer):
                   float(group['eps']), float(group['weight_decay']), bool(adamw),
                   check_finite=False)
 
+    def _weights_loaded(self, chunk: Chunk, locals_):
+        """The parameters hold no storage: the new masters are gathered on next use (cached
+        shard copies are dropped)."""
+        self.manager.policy.after_step()
+
     def refresh_masters(self):
         raise NotImplementedError('ZeRO stage 3 keeps no unsharded parameters to refresh the '
                                   'shards from; load weights with model.load_state_dict(full)')
@@ -147,6 +253,12 @@ class ChunkOptimizer(ZeroOptimizer):
         return out
 
 
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    return a == b
+
+
 # ---------------------------------------------------------------------------- hooks
 def _tensors(obj):
     if torch.is_tensor(obj):
@@ -162,10 +274,18 @@ def _tensors(obj):
 class _Hooks:
     """Module and parameter hooks that drive the manager (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, manager: ChunkManager, auto_policy):
-        self.manager, self.auto = manager, auto_policy
+    def __init__(self, model: torch.nn.Module, manager: ChunkManager, auto_policy,
+                 pipelined: bool = False):
+        self.manager, self.auto, self.pipelined = manager, auto_policy, pipelined
         ids = {id(p) for c in manager.chunks for p in c.params}
         self.tracer: Optional[MemoryTracer] = MemoryTracer(ids)
+        self.trace: Optional[MemoryTracer] = None    # the finished warm-up trace
+        self._pass = [False]
+        self._ids = ids
+        self.chunked = [p for c in manager.chunks for p in c.params]   # packing order now
+        self.first_use: Optional[List[torch.nn.Parameter]] = []  # recorded in the warm-up
+        self._first_ids: set = set()
+        self._first_use_order: Optional[List[torch.nn.Parameter]] = None
         model.register_forward_pre_hook(self._root_pre, prepend=True)
         model.register_forward_hook(self._root_post)
         for name, module in model.named_modules():
@@ -184,6 +304,7 @@ class _Hooks:
     # -- the warm-up trace: the first training forward/backward
     def _root_pre(self, module, args):
         self.manager.begin_pass()
+        self._pass = [False]   # pipeline: whether this micro-batch's backward has started
         if self.tracer is not None and self.manager.access_log is not None:
             self.finish_trace()
         if self.tracer is not None and torch.is_grad_enabled():
@@ -199,12 +320,31 @@ class _Hooks:
             return
         self.tracer.order = self.manager.access_log
         self.manager.access_log = None
+        if self.first_use is not None:   # never used in forward: last, in packing order
+            used = {id(p) for p in self.first_use}
+            self._first_use_order = self.first_use + [p for p in self.chunked
+                                                       if id(p) not in used]
+            self.first_use = None
         if self.auto is not None:
             self.auto.set_trace(self.tracer.order, self.tracer.non_model_peak)
         self.trace, self.tracer = self.tracer, None
 
+    def take_first_use_order(self) -> Optional[List[torch.nn.Parameter]]:
+        """The parameters in the order the warm-up step first used them (once; None before
+        the warm-up ended or after it was taken)."""
+        order, self._first_use_order = self._first_use_order, None
+        return order
+
+    def retrace(self):
+        """The chunks were re-packed: the next training step traces their access order."""
+        self.tracer = MemoryTracer(self._ids)
+
     def _pre(self, name, own):
         def hook(module, args):
+            if self.first_use is not None and self.manager.access_log is not None:
+                fresh = [p for p in own if id(p) not in self._first_ids]
+                self._first_ids.update(id(p) for p in fresh)
+                self.first_use.extend(fresh)
             self.manager.pre_forward(own)
             if self.tracer is not None and self.manager.access_log is not None:
                 self.tracer.module_start(name, sum(c.full_bytes
@@ -212,14 +352,18 @@ class _Hooks:
         return hook
 
     def _post(self, name, own):
-        def backward_hook(grad):
-            self.manager.pre_backward(own)
-
         def hook(module, args, output):
             if self.tracer is not None and self.manager.access_log is not None:
                 self.tracer.module_end(name)
             self.manager.post_forward(own)
             if torch.is_grad_enabled():
+                started = self._pass
+
+                def backward_hook(grad):
+                    if self.pipelined and not started[0]:   # the first module of this
+                        started[0] = True                   # micro-batch's backward
+                        self.manager.begin_backward()
+                    self.manager.pre_backward(own)
                 for t in _tensors(output):
                     if t.requires_grad:
                         t.register_hook(backward_hook)
@@ -259,6 +403,17 @@ def chunk_capacity(settings, params: List[torch.nn.Parameter], dp_size: int) -> 
     return -(-elems // dp_size) * dp_size
 
 
+def _meta_init(names: Dict[int, str]):
+    """For a model built on meta: each chunk's shard drawn by name (``lazy.init_shard``)."""
+    seed = torch.initial_seed()
+
+    def init(params, size):
+        axis = reduce_axis(params[0])
+        return init_shard(params, [p.numel() for p in params], size, axis.rank, axis.size,
+                          names, seed)
+    return init
+
+
 def build_chunk_zero(settings, cfg: Mapping, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer
                      ) -> Tuple[FullPrecision, ChunkGradientHandler]:
@@ -266,9 +421,10 @@ def build_chunk_zero(settings, cfg: Mapping, model: torch.nn.Module,
     and equal on every replica)."""
     check_chunk_zero(cfg)
     check_optimizer(optimizer)
+    lazy = has_meta_parameters(model) and swap_meta_parameters(model, optimizer, gpc.device)
     ordered, seen = [], set()
     group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g['params']}
-    for p in model.parameters():          # module order: a transformer's first-use order
+    for p in model.parameters():          # module order until the warm-up re-packs
         if id(p) in group_of and p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             ordered.append((p, group_of[id(p)]))
@@ -279,13 +435,17 @@ def build_chunk_zero(settings, cfg: Mapping, model: torch.nn.Module,
     axis = data_parallel_axis()
     capacity = chunk_capacity(settings, [p for p, _ in ordered], axis.size)
     manager = ChunkManager(ordered, capacity, settings, gpc.device,
-                           scale=1.0 / gpc.get_world_size(ParallelMode.DATA))
+                           scale=1.0 / gpc.get_world_size(ParallelMode.DATA),
+                           init_shard=_meta_init(names) if lazy else None)
     manager.names = all_names
+    if has_meta_parameters(model):   # what is not chunked (frozen parameters): drawn whole
+        materialize(model, device=gpc.device)
     auto = manager.policy if manager.policy.name == 'auto' else None
-    hooks = _Hooks(model, manager, auto)
+    pipelined = gpc.get_world_size(ParallelMode.PIPELINE) > 1
+    hooks = _Hooks(model, manager, auto, pipelined)
     handler = ChunkGradientHandler(manager, hooks.finish_trace)
     zero = ChunkOptimizer(optimizer, names, manager, handler)
-    zero.hooks = hooks
+    zero.hooks, zero.margin_ratio = hooks, settings.device_margin_ratio
     amp = zero_amp(cfg.get('fp16'), model, zero)   # naive: casts the model to fp16/bf16
     for chunk in manager.chunks:                    # fp16/bf16 chunks, fp32 masters
         chunk.set_dtype(chunk.params[0].dtype)

@@ -10,11 +10,15 @@ Collectives (all over a chunk's reduce group, the data-parallel axis ``data_para
   :meth:`flush` (the handler's ``synchronize``), so it overlaps the rest of backward; the
   result is added into the chunk's ``master.grad``.
 
+* :meth:`repack` (once, after the warm-up step, in first-use order): one all_gather per old
+  chunk and re-sharded tensor (masters, Adam moments) over the reduce group.
+
 Every rank runs the same modules in the same order, so the collectives line up.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import itertools
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,27 +29,35 @@ from .placement import DeviceLedger, build_placement
 
 
 def pack(params: Sequence[Tuple[torch.nn.Parameter, int]], capacity_elems: int,
-         dp_size: int) -> List[Tuple[list, int]]:
-    """``[(params, capacity), ...]``: parameters in the given (first-use) order packed into
-    chunks of ``capacity_elems`` elements per key (dtype, reduce group, tensor cuts, param
-    group); a parameter larger than that gets a chunk of its own, rounded up to a multiple of
-    ``dp_size``."""
+         dp_size: int, numels: Optional[Dict[int, int]] = None) -> List[Tuple[list, int]]:
+    """``[(params, elements), ...]``: parameters in the given (first-use) order packed
+    greedily into chunks of at most ``capacity_elems`` elements per key (dtype, reduce
+    group, tensor cuts, param group); a parameter larger than that gets a chunk of its own.
+    Each chunk is sized to its content rounded up to a multiple of ``dp_size`` (padding
+    < ``dp_size`` elements per chunk). ``numels``: ``id(param) -> elements`` (for
+    parameters whose storage is swapped out), else ``param.numel()``."""
+    def numel(p):
+        return p.numel() if numels is None else numels[id(p)]
+
+    def sized(ps):
+        return ps, -(-sum(numel(p) for p in ps) // dp_size) * dp_size
+
     open_: Dict[tuple, list] = {}
     fill: Dict[tuple, int] = {}
     out: List[Tuple[list, int]] = []
     for p, group in params:
         key = _bucket_key(p, group)
-        n = p.numel()
+        n = numel(p)
         if n > capacity_elems:
-            out.append(([p], -(-n // dp_size) * dp_size))
+            out.append(sized([p]))
             continue
         if key in open_ and fill[key] + n > capacity_elems:
-            out.append((open_.pop(key), capacity_elems))
+            out.append(sized(open_.pop(key)))
         if key not in open_:
             open_[key], fill[key] = [], 0
         open_[key].append(p)
         fill[key] += n
-    out.extend((ps, capacity_elems) for ps in open_.values())
+    out.extend(sized(ps) for ps in open_.values())
     return out
 
 
@@ -53,7 +65,10 @@ class ChunkManager:
     """Chunks of the model's parameters, their gathers, releases and gradient reduction."""
 
     def __init__(self, params: Sequence[Tuple[torch.nn.Parameter, int]], capacity_elems: int,
-                 settings, device: torch.device, scale: float):
+                 settings, device: torch.device, scale: float,
+                 init_shard: Optional[Callable[[list, int], torch.Tensor]] = None):
+        """``init_shard(params, elements)``: this rank's fp32 shard of a new chunk, for
+        parameters that hold no values yet (built on meta: ``lazy.init_shard``)."""
         if not params:
             raise ValueError('ZeRO stage 3 needs at least one parameter that requires grad')
         axis = reduce_axis(params[0][0])
@@ -63,22 +78,79 @@ class ChunkManager:
         if limit is None and device.type == 'cuda':   # the free memory at start
             limit = torch.cuda.mem_get_info(device)[0]
         self.ledger = DeviceLedger(limit)
+        self.groups = groups
+        self.shapes = {id(p): p.shape for p, _ in params}
+        self.numels = {id(p): p.numel() for p, _ in params}
         packed = pack(params, capacity_elems, axis.size)
         # the policy decides where each master lives, which the chunk needs at construction
         self.policy = build_placement(settings, [_Probe(i) for i in range(len(packed))],
                                       self.ledger, device)
-        self.chunks: List[Chunk] = [
-            Chunk(i, ps, cap, reduce_axis(ps[0]), groups[id(ps[0])],
-                  self.policy.master_device(self.policy.chunks[i]))
-            for i, (ps, cap) in enumerate(packed)]
+        self.chunks: List[Chunk] = []
+        self._form(packed, None if init_shard is None else
+                   [init_shard(ps, size) for ps, size in packed])
+        self._pending: List[Tuple[Chunk, 'C.Pending']] = []
+        self.access_log: Optional[List[int]] = None   # set by the tracer during warm-up
+        self.gathers = 0
+
+    def _form(self, packed, shards: Optional[List[torch.Tensor]] = None):
+        """Build the chunks of ``packed`` (``[(params, elements)]``; their masters from
+        ``shards``, else from the parameters' values) in place of the current ones (the
+        policy already sized for them), and account the shards it homes on the device."""
+        self.chunks[:] = [
+            Chunk(i, ps, size, reduce_axis(ps[0]), self.groups[id(ps[0])],
+                  self.policy.master_device(self.policy.chunks[i]),
+                  None if shards is None else shards[i], [self.shapes[id(p)] for p in ps],
+                  self.device)
+            for i, (ps, size) in enumerate(packed)]
         self.policy.chunks = list(self.chunks)
         self.chunk_of: Dict[int, Chunk] = {id(p): c for c in self.chunks for p in c.params}
         for chunk in self.chunks:
             chunk.detach_params()
         self.policy.settle()
-        self._pending: List[Tuple[Chunk, 'C.Pending']] = []
-        self.access_log: Optional[List[int]] = None   # set by the tracer during warm-up
-        self.gathers = 0
+
+    def plan(self, ordered: Sequence[torch.nn.Parameter]) -> List[Tuple[list, int]]:
+        """The packing of the parameters in ``ordered`` (every chunked parameter once)."""
+        return pack([(p, self.groups[id(p)]) for p in ordered], self.capacity,
+                    self.chunks[0].axis.size, self.numels)
+
+    @torch.no_grad()
+    def repack(self, packed: List[Tuple[list, int]],
+               shards: Dict[str, List[Optional[torch.Tensor]]]) -> Dict[str, List[torch.Tensor]]:
+        """Re-form the chunks as ``packed`` (only between passes: every chunk released).
+        ``shards``: per name (``'master'`` required, e.g. also Adam's moments), one shard per
+        current chunk (None: none on any rank); returns the same tensors cut for the new
+        chunks (fp32, zero where nothing was given). Collective: one all_gather of each
+        given shard's chunk over the reduce group, at most one gathered chunk alive."""
+        old = list(self.chunks)
+        if any(c.full is not None or c.grad_full is not None for c in old) or self._pending:
+            raise RuntimeError('chunks can be re-packed only between passes')
+        where = {id(p): (k, o) for k, (ps, _) in enumerate(packed)
+                 for p, o in zip(ps, itertools.accumulate([0] + [self.numels[id(q)] for q in ps]))}
+        d, rank = old[0].axis.size, old[0].axis.rank
+        sizes = [size // d for _, size in packed]
+        for chunk in old:   # the old shards homed on the device leave the ledger
+            if self.policy.on_device(chunk):
+                self.ledger.free(16 * chunk.shard_numel)
+        self.policy.reset([_Probe(i) for i in range(len(packed))])
+        devices = [self.policy.master_device(c) for c in self.policy.chunks]
+        out: Dict[str, List[torch.Tensor]] = {}
+        for name, per_chunk in shards.items():
+            new = [torch.zeros(s, dtype=torch.float32, device=dev)
+                   for s, dev in zip(sizes, devices)]
+            for chunk, shard in zip(old, per_chunk):
+                if shard is None:
+                    continue
+                full = chunk.gather(shard.detach())
+                for p, o, n in zip(chunk.params, chunk.offsets, chunk.numels):
+                    k, o2 = where[id(p)]
+                    lo, hi = max(o2, rank * sizes[k]), min(o2 + n, (rank + 1) * sizes[k])
+                    if lo < hi:
+                        new[k][lo - rank * sizes[k]:hi - rank * sizes[k]].copy_(
+                            full[o + lo - o2:o + hi - o2])
+                del full
+            out[name] = new
+        self._form(packed, out['master'])
+        return out
 
     # ------------------------------------------------------------------ gather / release
     def chunks_of(self, params) -> List[Chunk]:
@@ -205,6 +277,14 @@ class ChunkManager:
         for chunk in self.chunks:
             self.release(chunk)
             chunk.move(chunk.params, S.FREE)
+
+    def begin_backward(self):
+        """Pipeline: before the backward of one micro-batch (others' forwards ran since its
+        own): finish the previous reductions, release, every tensor FREE -> HOLD (as after
+        that micro-batch's forward)."""
+        self.begin_pass()
+        for chunk in self.chunks:
+            chunk.move(chunk.params, S.HOLD)
 
     # ------------------------------------------------------------------ whole model
     def gather_all(self):

@@ -24,7 +24,8 @@ Policies (chosen by ``zero.placement``): ``device`` (every shard on the device),
 (masters on the CPU; shard copies cached on the device under the budget left after the
 traced non-model peak, evicting the cached shard whose next use is farthest in the future
 -- Belady, from the access order of the warm-up step -- and prefetching the next chunk's
-shard when it fits).
+shard when it fits). ``promote`` (adaptive HybridAdam, ``zero.device_margin_ratio``) homes a
+CPU-homed chunk on the device from then on (``on_device``), accounted like ``device``.
 """
 from __future__ import annotations
 
@@ -82,11 +83,31 @@ class Placement:
     def __init__(self, chunks: Sequence, ledger: DeviceLedger, device: torch.device):
         self.chunks, self.ledger, self.device = list(chunks), ledger, device
         self._copies: Dict[int, int] = {}   # chunk index -> bytes of its shard copy
+        self.promoted: set = set()          # CPU-homed chunks moved to the device (adaptive)
+
+    def reset(self, chunks: Sequence):
+        """New chunks (re-packed; nothing of the old ones on the device but their homed
+        shards, which the caller frees)."""
+        self.chunks = list(chunks)
+        self._copies.clear()
+        self.promoted.clear()
 
     # --------------------------------------------------------------- homes
     def on_device(self, chunk) -> bool:
         """Whether ``chunk``'s master (and its moments) live on the device."""
+        return self.homed_on_device(chunk) or chunk.index in self.promoted
+
+    def homed_on_device(self, chunk) -> bool:
+        """The policy's own rule (``device``: every chunk)."""
         return True
+
+    def promote(self, chunk):
+        """From now on ``chunk``'s master, its gradient and its moments live on the device
+        (adaptive HybridAdam): 16 s accounted; the master and moments (12 s) count as moved
+        host-to-device. The caller moves the tensors."""
+        self.ledger.alloc(16 * chunk.shard_numel, f'the promoted shard of chunk {chunk.index}')
+        self.ledger.moved_h2d += 12 * chunk.shard_numel
+        self.promoted.add(chunk.index)
 
     def master_device(self, chunk) -> torch.device:
         return self.device if self.on_device(chunk) else torch.device('cpu')
@@ -128,7 +149,7 @@ class Placement:
 class CpuPlacement(Placement):
     name = 'cpu'
 
-    def on_device(self, chunk) -> bool:
+    def homed_on_device(self, chunk) -> bool:
         return False
 
 
@@ -139,9 +160,14 @@ class StaticPlacement(Placement):
 
     def __init__(self, chunks, ledger, device, fraction: float):
         super().__init__(chunks, ledger, device)
-        self.kept = math.ceil(fraction * len(self.chunks) - 1e-9)
+        self.fraction = fraction
+        self.reset(chunks)
 
-    def on_device(self, chunk) -> bool:
+    def reset(self, chunks):
+        super().reset(chunks)
+        self.kept = math.ceil(self.fraction * len(self.chunks) - 1e-9)
+
+    def homed_on_device(self, chunk) -> bool:
         return chunk.index < self.kept
 
 
@@ -162,14 +188,27 @@ class AutoPlacement(Placement):
         self.pinned: set = set()            # chunks being gathered right now
         ledger.evictor = self._evict
 
-    def on_device(self, chunk) -> bool:
+    def homed_on_device(self, chunk) -> bool:
         return False
+
+    def promote(self, chunk):
+        if chunk.index in self.cache:
+            self._drop(chunk.index)
+        super().promote(chunk)
 
     @property
     def cache_budget(self) -> Optional[int]:
         if self.ledger.limit is None:
             return None
         return self.ledger.limit - self.non_model_bytes
+
+    def reset(self, chunks):
+        for index in list(self.cache):
+            self._drop(index)
+        super().reset(chunks)
+        self.last_use.clear()
+        self.clock = 0
+        self.set_trace([], 0)   # the next warm-up step traces the new chunks
 
     def set_trace(self, order: Sequence[int], non_model_bytes: int):
         self.order, self.non_model_bytes = list(order), int(non_model_bytes)
@@ -179,6 +218,8 @@ class AutoPlacement(Placement):
         self.clock += 1
         self.last_use[chunk.index] = self.clock
         self._advance(chunk.index)
+        if self.on_device(chunk):   # promoted: the master itself (or its cast copy)
+            return Placement.shard_for_gather(self, chunk)
         if chunk.index in self.cache:
             self.hits += 1
         else:
@@ -189,7 +230,7 @@ class AutoPlacement(Placement):
         return shard
 
     def after_gather(self, chunk):
-        pass
+        Placement.after_gather(self, chunk)   # a promoted chunk's cast copy, if any
 
     def after_step(self):
         for index in list(self.cache):
