@@ -1,4 +1,5 @@
-"""The colossal-lite command: colossal-lite train CONFIG [--nproc N] [--steps S].
+"""The colossal-lite command: colossal-lite train CONFIG [--nproc N] [--steps S] [--resume DIR]
+[--max-restarts N].
 
 ``train`` checks the config, that N processes fit its parallel layout and that the
 model splits over it (a build on the meta device) in the calling process, prepares the
@@ -13,13 +14,18 @@ per rank, bytes communicated per ParallelMode and a summary line.
 When a worker raises, the launcher stops all the others and the command exits
 with status 1, one line per failed rank (a rank killed by a signal first, then the
 rank that raised first) and that rank's traceback once; Ctrl-C stops every worker and
-exits with status 130. At the end rank 0 writes ``metrics.jsonl`` and ``loss.png``
-(with matplotlib) into ``train.run_dir``. Without installing the package:
-``python -m colossal_lite.cli train CONFIG``.
+exits with status 130. With a ``checkpoint`` section the job saves a checkpoint directory
+every ``checkpoint.interval`` steps and at its end; ``--resume DIR`` continues from one
+(also under another layout), and ``--max-restarts N`` lets the elastic agent restart a
+failed group up to N times, each restart continuing from the last complete checkpoint in
+``checkpoint.path`` (``colossal_lite/run_state.py``). At the end rank 0 writes
+``metrics.jsonl`` and ``loss.png`` (with matplotlib) into ``train.run_dir``. Without
+installing the package: ``python -m colossal_lite.cli train CONFIG``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -43,19 +49,26 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument('--nproc', type=int, default=1, help='local processes to start (default 1)')
     train.add_argument('--steps', type=int, default=None, help="override the config's train.steps")
     train.add_argument('--port', type=int, default=0, help='rendezvous port (default: a free one)')
+    train.add_argument('--resume', metavar='DIR', default=None,
+                       help='continue the run saved in checkpoint DIR (any layout)')
+    train.add_argument('--max-restarts', type=int, default=0, metavar='N',
+                       help='restart a failed group up to N times, each from the last complete '
+                            "checkpoint in the config's checkpoint.path (default 0)")
     train.set_defaults(run=train_command)
     from .commands import add_parsers
     add_parsers(sub)
     return parser
 
 
-def check_job(config_path: str, nproc: int, steps: Optional[int]):
+def check_job(config_path: str, nproc: int, steps: Optional[int], resume: Optional[str] = None,
+              max_restarts: int = 0):
     """Every check that can fail before a process starts: the config's typed sections
     (``load_config``), the layout vs ``nproc``, the job, and the job vs the layout
     (``job.check_layout``: divisibility of every split size and a build of the model on the
     meta device for the layout), the directories the run writes (``job.check_paths``) and
     the data (``job.prepare_data``: for ``hf`` the tokenizer and the packed blocks, made
-    here once). Returns ``(cfg, layout, spec)``."""
+    here once), the ``--resume`` checkpoint (complete, steps left) and ``--max-restarts``
+    (a restart resumes from ``checkpoint.path``). Returns ``(cfg, layout, spec)``."""
     from .job import check_layout, check_paths, prepare_data
     if nproc < 1:
         raise ConfigError(f'--nproc must be a positive integer, got {nproc}')
@@ -63,12 +76,25 @@ def check_job(config_path: str, nproc: int, steps: Optional[int]):
     layout = _with_nproc(settings.layout, nproc)
     spec = settings.job.with_steps(steps)
     microbatches = settings.pipeline.num_microbatches
-    check_layout(spec, layout, settings.pipeline.stages, microbatches)
+    check_layout(spec, layout, settings.pipeline.stages, microbatches,
+                 settings.pipeline.partition)
     from .zero.low_level import check_zero
     check_zero(settings.source)  # NotImplementedError for what ZeRO does not run yet
     check_paths(spec)
+    _check_resume(spec, resume, max_restarts)
     prepare_data(spec, microbatches)
     return settings.source, layout, spec
+
+
+def _check_resume(spec, resume: Optional[str], max_restarts: int):
+    from .run_state import saved_step
+    if max_restarts < 0:
+        raise ConfigError(f'--max-restarts must be >= 0, got {max_restarts}')
+    if resume is not None:
+        step, total = saved_step(resume), spec.train['steps']
+        if total is not None and step >= total:
+            raise ConfigError(f'--resume {resume} was saved at step {step}: nothing is left of '
+                              f'the {total} steps of this job (raise --steps or train.steps)')
 
 
 def _with_nproc(layout, nproc: int):
@@ -91,10 +117,14 @@ def start_method() -> str:
 
 
 def train_command(args, entrypoint=None) -> int:
-    """Check the job, run ``entrypoint(config_path, steps)`` (default: the trainer of
-    ``colossal_lite.worker``) on ``args.nproc`` processes; the exit status."""
+    """Check the job, run ``entrypoint(config_path, steps[, resume])`` (default: the trainer
+    of ``colossal_lite.worker``; ``resume`` only with ``--resume``) on ``args.nproc``
+    processes, restarted up to ``--max-restarts`` times; the exit status."""
     try:
-        _, layout, spec = check_job(args.config, args.nproc, args.steps)
+        resume = getattr(args, 'resume', None)
+        resume = os.path.abspath(resume) if resume else None
+        restarts = getattr(args, 'max_restarts', 0)
+        _, layout, spec = check_job(args.config, args.nproc, args.steps, resume, restarts)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f'colossal-lite: bad config {args.config}: {exc}', file=sys.stderr)
         return 2
@@ -105,8 +135,9 @@ def train_command(args, entrypoint=None) -> int:
           f'pipeline={layout.pipeline} tensor={layout.tensor} ({layout.mode or "none"})', flush=True)
     if entrypoint is None:
         from .worker import worker_main as entrypoint
-    return run_local_workers(args.nproc, args.port, entrypoint, os.path.abspath(args.config),
-                             args.steps, what='training')
+    entry_args = (os.path.abspath(args.config), args.steps) + ((resume,) if resume else ())
+    return run_local_workers(args.nproc, args.port, entrypoint, *entry_args, what='training',
+                             max_restarts=restarts)
 
 
 def run_local_workers(nproc: int, port: int, entrypoint, *entry_args, what: str = 'the run',
@@ -126,7 +157,7 @@ def run_local_workers(nproc: int, port: int, entrypoint, *entry_args, what: str 
         monitor_interval=0.2, start_method=start_method())
     from .failures import FirstExit, failure_message, run_worker
     try:
-        with FirstExit() as first_exit:
+        with FirstExit() as first_exit, _fresh_store_per_attempt(max_restarts):
             elastic_launch(launch_config, run_worker)(entrypoint, *entry_args)
     except ChildFailedError as err:
         print(f'colossal-lite: {what} stopped, every process was ended:\n'
@@ -136,6 +167,25 @@ def run_local_workers(nproc: int, port: int, entrypoint, *entry_args, what: str 
         print(f'colossal-lite: interrupted ({exc}); every process was ended', file=sys.stderr)
         return 130
     return 0
+
+
+@contextlib.contextmanager
+def _fresh_store_per_attempt(max_restarts: int):
+    """With restarts, each attempt's workers get a new TCPStore (hosted by rank 0) instead
+    of the agent's shared one, whose keys from the failed attempt (the old gloo addresses)
+    would make the restarted ranks connect to dead peers: torch's
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for the duration of the launch."""
+    key = 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE'
+    old = os.environ.get(key)
+    if max_restarts:
+        os.environ[key] = '1'
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 def main(argv: Optional[List[str]] = None) -> int:

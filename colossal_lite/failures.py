@@ -6,11 +6,15 @@ collective broke *because* another rank died. Two records give the real order:
 * every worker that raises writes ``<attempt dir>/<local rank>/error.json`` (the launcher's
   ``record`` wrapper), read here oldest first;
 * a worker ended by a signal (the out-of-memory killer, ``kill -9``) writes nothing, so
-  :class:`FirstExit` watches ``SIGCHLD`` in the launching process and peeks at the first
-  worker that exits with ``waitid(..., WNOWAIT)`` (the child stays for the launcher to
-  reap); :func:`run_worker` writes each worker's pid beside its error file so the pid
-  names a rank. The launcher's own failure record (``exitcode < 0``: minus the signal
-  number) is read too.
+  :class:`FirstExit` watches ``SIGCHLD`` in the launching process and, for each worker pid
+  (each worker registers its pid in FirstExit's directory, :func:`run_worker`), peeks at
+  its exit with ``waitid(P_PID, pid, WNOWAIT)`` (the child stays for the launcher to
+  reap): the workers' exits in the order they happened. Other children of the process
+  are never looked at; a worker the launcher reaped before the handler ran is recorded
+  then, its status taken from the launcher's failure record (``exitcode < 0``: minus the
+  signal number). :func:`run_worker` also writes each worker's pid beside its error file,
+  so a pid names a rank of an attempt (with ``--max-restarts`` only the failed last
+  attempt's workers are reported).
 
 A rank killed by a signal is named first, then the ranks that raised, oldest first; the
 traceback of the first rank that raised is printed once (not after a kill: the others
@@ -20,54 +24,83 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 from typing import List, Optional, Tuple
 
 _PID_FILE = 'pid'
+_PID_DIR_ENV = 'COLOSSAL_LITE_WORKER_PIDS'
+REAPED = 'reaped'          # FirstExit status: the launcher reaped it before we looked
 
 
 def run_worker(entrypoint, *args):
-    """Each worker's first call: note this process's pid beside its error file, then run
-    ``entrypoint(*args)``."""
+    """Each worker's first call: note this process's pid beside its error file and in
+    :class:`FirstExit`'s directory, then run ``entrypoint(*args)``."""
+    pid = str(os.getpid())
     error_file = os.environ.get('TORCHELASTIC_ERROR_FILE')
     if error_file:
         os.makedirs(os.path.dirname(error_file), exist_ok=True)
         with open(os.path.join(os.path.dirname(error_file), _PID_FILE), 'w') as f:
-            f.write(str(os.getpid()))
+            f.write(pid)
+    pid_dir = os.environ.get(_PID_DIR_ENV)
+    if pid_dir and os.path.isdir(pid_dir):
+        open(os.path.join(pid_dir, pid), 'w').close()
     return entrypoint(*args)
 
 
 class FirstExit:
-    """Context manager recording ``(pid, signal name or None)`` of the first child process of
-    this process that exits (``SIGCHLD`` + ``waitid(P_ALL, WNOWAIT)``: nothing is reaped).
-    Outside the main thread it records nothing."""
+    """Context manager recording ``exits``: ``(pid, signal name | None | REAPED)`` of every
+    worker process (registered by :func:`run_worker` in a directory named by an environment
+    variable the workers inherit) in the order they exited (``SIGCHLD`` +
+    ``waitid(P_PID, pid, WNOWAIT)``: nothing is reaped). Exits seen by one handler call
+    are ordered killed ones first (the others follow from a kill). Outside the main thread
+    it records nothing."""
 
     def __init__(self):
-        self.first: Optional[Tuple[int, Optional[str]]] = None
-        self._old = None
+        self.exits: List[Tuple[int, Optional[str]]] = []
+        self._old = self._dir = None
+
+    @property
+    def first(self) -> Optional[Tuple[int, Optional[str]]]:
+        return self.exits[0] if self.exits else None
 
     def __enter__(self):
         try:
             self._old = signal.signal(signal.SIGCHLD, self._on_child)
         except ValueError:  # not the main thread
             self._old = None
+            return self
+        self._dir = tempfile.mkdtemp(prefix='colossal-lite-workers-')
+        self._env = os.environ.get(_PID_DIR_ENV)
+        os.environ[_PID_DIR_ENV] = self._dir
         return self
 
     def _on_child(self, signum, frame):
-        if self.first is not None:
-            return
-        try:
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return
-        if info is None:
-            return
-        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-        self.first = (info.si_pid, _signal_name(info.si_status) if killed else None)
+        seen = {pid for pid, _ in self.exits}
+        found = []
+        for name in os.listdir(self._dir):
+            pid = int(name)
+            if pid in seen:
+                continue
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                found.append((pid, REAPED))
+                continue
+            if info is not None:
+                killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+                found.append((pid, _signal_name(info.si_status) if killed else None))
+        self.exits += sorted(found, key=lambda e: e[1] in (None, REAPED))
 
     def __exit__(self, *exc):
         if self._old is not None:
             signal.signal(signal.SIGCHLD, self._old)
+            if self._env is None:
+                os.environ.pop(_PID_DIR_ENV, None)
+            else:
+                os.environ[_PID_DIR_ENV] = self._env
+            shutil.rmtree(self._dir, ignore_errors=True)
         return False
 
 
@@ -110,24 +143,38 @@ def error_files(err) -> List[tuple]:
     return sorted(found)
 
 
-def killed_ranks(err, first_exit: Optional[FirstExit] = None) -> List[tuple]:
-    """(local rank, signal name) of the workers a signal ended: the first worker to exit
-    when a signal ended it, and any the launcher's record shows with ``exitcode < 0``."""
-    killed = {}
-    if first_exit is not None and first_exit.first and first_exit.first[1]:
-        pid, name = first_exit.first
-        for rank, folder in _rank_dirs(err):
-            try:
-                with open(os.path.join(folder, _PID_FILE)) as f:
-                    if int(f.read().strip()) == pid:
-                        killed[rank] = name
-            except (OSError, ValueError):
-                continue
+def _launcher_signals(err) -> dict:
+    """{local rank: signal name} of the failures the launcher recorded with exitcode < 0."""
+    out = {}
     for failure in err.failures.values():
         code = failure.exitcode if isinstance(failure.exitcode, int) else 0
         if code < 0:
-            killed.setdefault(failure.local_rank, _signal_name(-code))
-    return sorted(killed.items())
+            out[failure.local_rank] = _signal_name(-code)
+    return out
+
+
+def killed_ranks(err, first_exit: Optional[FirstExit] = None) -> List[tuple]:
+    """(local rank, signal name) of the workers a signal ended, the first worker of the
+    failed attempt to exit first when a signal ended it (FirstExit's order), then any other
+    the launcher's record shows with ``exitcode < 0``, by rank."""
+    signals = _launcher_signals(err)
+    ranks = {}
+    for rank, folder in _rank_dirs(err):
+        try:
+            with open(os.path.join(folder, _PID_FILE)) as f:
+                ranks[int(f.read().strip())] = rank
+        except (OSError, ValueError):
+            continue
+    first = next(((ranks[pid], how) for pid, how in (first_exit.exits if first_exit else ())
+                  if pid in ranks), None)
+    killed = []
+    if first is not None:
+        rank, how = first
+        name = signals.get(rank) if how == REAPED else how
+        if name:
+            killed.append((rank, name))
+    killed += sorted((r, n) for r, n in signals.items() if r not in dict(killed))
+    return killed
 
 
 def failure_message(err, first_exit: Optional[FirstExit] = None) -> str:

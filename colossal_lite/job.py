@@ -17,7 +17,7 @@ Sections (every key optional except ``model.type`` and ``data.type``)::
                  eval_batches=None, shuffle_seed=0, run_dir=None)
     optimizer = dict(type='adamw' | 'adam' | 'sgd', lr=1e-3, weight_decay=0.0, ...)
     lr_scheduler = dict(type='cosine' | 'constant', warmup_steps=0, min_lr_ratio=0.1)
-    checkpoint = dict(path='runs/model_{step}.pt', interval=100)  # full state dict, rank 0
+    checkpoint = dict(path='runs/ckpt', interval=100, async_save=False)  # run_state.py
     log = dict(tensorboard='runs/tb')                             # needs the tensorboard package
 
 A model trains on the data set it was registered with; a model registered with
@@ -281,10 +281,14 @@ def _parse_optimizer(config: Mapping) -> Dict[str, Any]:
 def _parse_checkpoint(config: Mapping) -> Dict[str, Any]:
     ckpt = _section(config, 'checkpoint', required=False)
     if ckpt:
-        _check_keys(ckpt, {'path', 'interval'}, 'checkpoint.')
-        if not isinstance(ckpt.get('path'), str):
-            raise ConfigError(f"'checkpoint.path' must be a file name such as "
-                              f"'runs/model_{{step}}.pt', got {ckpt.get('path')!r}")
+        _check_keys(ckpt, {'path', 'interval', 'async_save'}, 'checkpoint.')
+        if not isinstance(ckpt.setdefault('async_save', False), bool):
+            raise ConfigError(f"'checkpoint.async_save' must be True or False, got "
+                              f"{ckpt['async_save']!r}")
+        path = ckpt.get('path')
+        if not isinstance(path, str) or not path or '{' in path:
+            raise ConfigError(f"'checkpoint.path' must be a directory name such as 'runs/ckpt' "
+                              f"(each save replaces it atomically), got {path!r}")
         ckpt['interval'] = _number(ckpt, 'interval', 'checkpoint', 1, 1 << 40, True, 100)
     return ckpt
 
@@ -394,7 +398,8 @@ _SPLIT_NOUNS = {'head': 'attention heads', 'hidden': 'hidden dimension', 'vocab'
                 'sequence': 'sequence', 'batch': "replica's batch"}
 
 
-def check_layout(spec: JobSpec, layout, stages: int = 1, microbatches: int = 1):
+def check_layout(spec: JobSpec, layout, stages: int = 1, microbatches: int = 1,
+                 partition=None):
     """Every check of ``spec`` against ``layout`` (with its data size) that can fail before a
     process starts, each a ConfigError naming the config key:
 
@@ -403,7 +408,9 @@ def check_layout(spec: JobSpec, layout, stages: int = 1, microbatches: int = 1):
       ``batch_split``; ``data.seq_len`` by its ``sequence_split``;
     * the model's :class:`~colossal_lite.models.SizeRule` s (heads, hidden, vocabulary,
       image / patch, tokens) against the family's splits (``families.py``);
-    * at least one block per pipeline stage: ``model.<layers>`` >= ``stages`` (P * V);
+    * at least one block per pipeline stage: ``model.<layers>`` >= ``stages`` (P * V); an
+      explicit ``partition`` (``parallel.pipeline.partition``, blocks per stage: the
+      ``PipelineSettings.partition`` tuple) sums to ``model.<layers>``;
     * the model built on the meta device for the described layout (rank 0 and the last
       rank), so any split error left is caught here too (named ``model``).
     """
@@ -435,6 +442,11 @@ def check_layout(spec: JobSpec, layout, stages: int = 1, microbatches: int = 1):
         raise ConfigError(f"'model.{layers_key}' = {spec.options[layers_key]} is fewer than the "
                           f"{stages} pipeline stages (parallel.pipeline size x chunks): every "
                           f"stage needs at least one block")
+    if isinstance(partition, (list, tuple)) and layers_key in spec.options \
+            and sum(partition) != spec.options[layers_key]:
+        raise ConfigError(f"'parallel.pipeline.partition' = {list(partition)} must sum to "
+                          f"'model.{layers_key}' = {spec.options[layers_key]} (blocks per "
+                          f"stage), got {sum(partition)}")
     for rank in sorted({0, layout.world_size - 1}):
         try:
             describe_model(spec, layout, rank)

@@ -90,16 +90,20 @@ def _report(trainer, spec, history: _LossHistory, elapsed: float):
             f'({"fell" if last < first else "did not fall"}) wall={elapsed:.1f}s')
 
 
-def train(cfg, spec=None) -> dict:
-    """Train the launched config's job (``spec``: default ``cfg.settings.job``); returns the
-    trainer's metrics plus ``losses`` (every step's loss, averaged over replicas) on every rank."""
-    from . import initialize
+def train(cfg, spec=None, resume: Optional[str] = None, config_path: Optional[str] = None) -> dict:
+    """Train the launched config's job (``spec``: default ``cfg.settings.job``), continuing
+    from checkpoint ``resume`` when given (``run_state``: also after an elastic restart);
+    ``config_path`` goes into the job's checkpoints. Returns the trainer's metrics plus
+    ``losses`` (every step's loss, averaged over replicas) on every rank."""
+    from . import initialize, run_state
     from .job import build_criterion, build_data, build_model, build_optimizer, build_scheduler
     from .trainer import Trainer
     settings = cfg.settings
     spec = spec or settings.job
     text = spec.is_text
-    model = build_model(spec)
+    from .zero.chunk import building_into_chunks
+    with building_into_chunks(cfg):  # zero stage 3: on meta, drawn into chunk shards by initialize
+        model = build_model(spec)
     accumulation = settings.engine.num_microbatches
     if spec.data_type == 'hf':
         _prepare_on_rank0_first(spec)
@@ -114,16 +118,18 @@ def train(cfg, spec=None) -> dict:
     scheduler = build_scheduler(spec, optimizer, total)
     engine, train_dl, test_dl, scheduler = initialize(model, optimizer, build_criterion(spec),
                                                       train_dl, test_dl, scheduler)
+    resumed_at = run_state.resume(spec, engine, scheduler, train_dl, resume)
+    if resumed_at >= total:
+        raise ConfigError(f'the checkpoint was saved at step {resumed_at}: nothing is left of '
+                          f'the {total} steps of this job (raise --steps or train.steps)')
     history = _LossHistory()
-    bar = H.ProgressBarHook(total, 'tokens/s' if text else 'samples/s')
+    bar = H.ProgressBarHook(total - resumed_at, 'tokens/s' if text else 'samples/s')
     hooks = [H.LossHook(), history, H.ThroughputHook(warmup=2, tokens=text),
              H.LRSchedulerHook(scheduler), bar,
              H.LogMetricByStepHook(spec.train['log_every'], printer=bar.printer)]
     if not text:
         hooks += [H.AccuracyHook(), H.LogMetricByEpochHook(printer=bar.printer)]
-    if spec.checkpoint:
-        hooks.append(H.SaveCheckpointHook(spec.checkpoint['path'], spec.checkpoint['interval'],
-                                          by_step=True, lr_scheduler=scheduler))
+    hooks += run_state.hooks(spec, resumed_at, total, config_path, scheduler, train_dl)
     if 'tensorboard' in spec.log:
         hooks.append(H.TensorBoardHook(spec.log['tensorboard']))
     params = H.full_parameter_count(engine.model)
@@ -133,7 +139,7 @@ def train(cfg, spec=None) -> dict:
     total_stats.reset()
     start = time.perf_counter()
     trainer = Trainer(engine)
-    trainer.fit(train_dl, epochs=epochs, max_steps=total, hooks=hooks,
+    trainer.fit(train_dl, epochs=epochs + (resumed_at > 0), max_steps=total, hooks=hooks,
                 test_dataloader=None if text else test_dl)
     elapsed = time.perf_counter() - start
     if text:
@@ -197,8 +203,9 @@ class _limited:
             yield batch
 
 
-def worker_main(config_path: str, steps: Optional[int] = None):
-    """Entry point of each process the elastic launcher starts."""
+def worker_main(config_path: str, steps: Optional[int] = None, resume: Optional[str] = None):
+    """Entry point of each process the elastic launcher starts; ``resume``: a checkpoint
+    directory to continue from."""
     os.environ['OMP_NUM_THREADS'] = '1'
     torch.set_num_threads(1)
     cfg = load_config(config_path)
@@ -206,7 +213,7 @@ def worker_main(config_path: str, steps: Optional[int] = None):
     backend = cfg.settings.run.backend or ('nccl' if torch.cuda.is_available() else 'gloo')
     launch_from_torch(cfg, backend=backend)
     try:
-        result = train(gpc.config, spec)
+        result = train(gpc.config, spec, resume=resume, config_path=config_path)
         if gpc.get_global_rank() == 0:
             written = write_run_files(result['records'], spec.run_dir)
             print('wrote ' + ', '.join(written), flush=True)

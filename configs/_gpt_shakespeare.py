@@ -10,3 +10,4 @@ train = dict(global_batch_size=16, steps=300, log_every=25, eval_batches=8)
 optimizer = dict(type='adamw', lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
 lr_scheduler = dict(type='cosine', warmup_steps=20, min_lr_ratio=0.1)
 clip_grad_norm = 1.0
+checkpoint = dict(path='runs/ckpt', interval=100)  # resumable: colossal-lite train ... --resume runs/ckpt

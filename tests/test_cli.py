@@ -151,7 +151,7 @@ BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     ("zero = dict()", 1, "'zero' needs 'zero.stage'"),
     ("optimizer = dict(type='adamw', betas=(0.9,))", 1, "'optimizer.betas' must be two numbers"),
     ("data = dict(type='shakespeare', plays=['nope'])", 1, "'data.plays': unknown plays ['nope']"),
-    ("checkpoint = dict(interval=5)", 1, "'checkpoint.path' must be a file name"),
+    ("checkpoint = dict(interval=5)", 1, "'checkpoint.path' must be a directory name"),
     ("gradient_handler = dict(bucket_mb=-1)", 1, "'gradient_handler.bucket_mb' must be a positive"),
 ])
 def test_layout_and_job_mismatches_fail_before_any_process(tmp_path, body, nproc, message):
@@ -438,16 +438,19 @@ def killed_worker(config_path, steps):
 
 
 def test_a_killed_rank_is_named_first_with_its_signal(tmp_path, capsys):
-    """Up to 3 tries: once in about 8 full-suite runs the SIGCHLD watch missed the kill (see
-    the closing note of stop 15); the message must still be right in one of them."""
+    """Also when the launching process has another exited, unreaped child (as pytest often
+    has): FirstExit watches only the workers' pids."""
+    other = os.fork()
+    if other == 0:
+        os._exit(0)                                   # a zombie until the end of the test
     args = cli._parser().parse_args(['train', _write(tmp_path, TINY), '--nproc', '4'])
     want = 'rank 3 failed first: killed by SIGKILL (the out-of-memory killer, or kill -9)'
-    for _ in range(3):
+    try:
         assert cli.train_command(args, entrypoint=killed_worker) == 1
-        err = capsys.readouterr().err
-        first = next(line for line in err.splitlines() if 'failed first' in line)
-        if first == want:
-            break
+    finally:
+        os.waitpid(other, 0)
+    err = capsys.readouterr().err
+    first = next(line for line in err.splitlines() if 'failed first' in line)
     assert first == want, err
     assert 'Traceback' not in err.split('traceback of rank')[0]   # no launcher noise before it
     assert err.count('traceback of rank') <= 1
@@ -482,10 +485,10 @@ def test_help_reads_plainly_and_version_is_printed(capsys):
 
 def test_an_unwritable_checkpoint_directory_fails_before_the_start(tmp_path):
     (tmp_path / 'a_file').write_text('')
-    body = TINY + f"checkpoint = dict(path={str(tmp_path / 'a_file' / 'ckpt_{step}.pt')!r})\n"
+    body = TINY + f"checkpoint = dict(path={str(tmp_path / 'a_file' / 'ckpt')!r})\n"
     with pytest.raises(ConfigError, match="'checkpoint.path': '.*a_file' is a file, not a directory"):
         cli.check_job(_write(tmp_path, body), 4, None)
-    body = TINY + f"checkpoint = dict(path={str(tmp_path / 'new' / 'ckpt_{step}.pt')!r})\n"
+    body = TINY + f"checkpoint = dict(path={str(tmp_path / 'new' / 'ckpt')!r})\n"
     cli.check_job(_write(tmp_path, body), 4, None)
     assert (tmp_path / 'new').is_dir()
 

@@ -6,7 +6,8 @@ Directory (see docs/checkpoint.md)::
       .metadata, __<rank>_<i>.distcp   DCP: every 'model.<key>' and 'optim.<name>.<slot>'
                                        tensor at its full (serial) shape, each written once
       common.pt                        rank 0: global step, AMP, optimizer hyperparameters,
-                                       LR scheduler, layout, world size, ``extra``
+                                       LR scheduler, data position, layout, world size,
+                                       ``extra``
       rng_<rank>.pt                    each rank: its CPU/CUDA and per-mode RNG states
 
 Save: every rank describes its tensors (``state.sharded_tensor_state``: DTensor views of
@@ -23,7 +24,10 @@ and its parameters' optimizer slots) as DTensors with its own placements, so DCP
 the overlapping saved chunks (``state.sharded_targets`` / ``load_sharded_tensor_state``):
 any layout loads any other. Without a launched process group (a plain serial script)
 the same keys go as full tensors. RNG states are restored only when the layout and
-world size equal the saved ones (they depend on the rank's place).
+world size equal the saved ones (they depend on the rank's place). The data position
+(``dataloader.state_dict()``: epoch and global samples read, the same on every rank) is
+checked against the loader before any collective (ValueError when it cannot continue
+there, e.g. a position that is not a whole number of its global batches).
 """
 from __future__ import annotations
 
@@ -81,9 +85,11 @@ def _views() -> Optional[S.DTensorViews]:
 
 
 def _check_dataloader(dataloader):
-    if dataloader is not None:
-        raise NotImplementedError('saving or restoring a dataloader position is not '
-                                  'implemented yet; pass dataloader=None')
+    if dataloader is not None and not (hasattr(dataloader, 'state_dict')
+                                       and hasattr(dataloader, 'check_state')):
+        raise TypeError(f'dataloader= needs a loader with a position (state_dict, check_state, '
+                        f'load_state_dict: colossal_lite.data.DataParallelLoader), got '
+                        f'{type(dataloader).__name__}')
 
 
 def _commit(tmp: str, path: str) -> None:
@@ -97,8 +103,85 @@ def _commit(tmp: str, path: str) -> None:
         shutil.rmtree(old)
 
 
-def save(path: str, engine, lr_scheduler=None, dataloader=None, extra: Any = None) -> None:
-    """Write the engine's training state to directory ``path`` (collective, atomic)."""
+class AsyncSave:
+    """A save whose shard writes run in DCP's background thread (``dcp.async_save``; the
+    tensors were copied to CPU memory before :func:`save` returned, so training may go on).
+    :meth:`wait` (collective) completes it: waits for this rank's writes, a barrier, then
+    the atomic rename. The next :func:`save` or :func:`load` calls it first."""
+
+    def __init__(self, future, tmp: str, path: str):
+        self._future, self.tmp, self.path = future, tmp, path
+        self.done = False
+
+    def wait(self) -> None:
+        global _pending
+        if self.done:
+            return
+        self.done = True
+        if _pending is self:
+            _pending = None
+        self._future.result()
+        _finish(self.tmp, self.path)
+
+
+_pending: Optional[AsyncSave] = None
+_async_groups: dict = {}
+
+
+def wait() -> None:
+    """Complete the pending async save, if any (collective)."""
+    if _pending is not None:
+        _pending.wait()
+
+
+def _async_group():
+    """A gloo group over all ranks for DCP's background thread (its plan exchange must not
+    interleave with the training's collectives on the default group); one per run."""
+    if not _distributed():
+        return None
+    default = dist.group.WORLD
+    if id(default) not in _async_groups:
+        _async_groups.clear()
+        _async_groups[id(default)] = dist.new_group(backend='gloo')
+    return _async_groups[id(default)]
+
+
+def _cpu_copies(flat: dict) -> dict:
+    """A copy in CPU memory of every tensor (a DTensor stays a DTensor over the same mesh):
+    what the background writer reads while training changes the originals."""
+    return {k: v.detach().to('cpu', copy=True) for k, v in flat.items()}
+
+
+class _Staged:
+    """DCP stager for a state dict that :func:`_cpu_copies` staged already (DCP's default
+    stager deep-copies DTensors, which fails on views of our parameters)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _finish(tmp: str, path: str) -> None:
+    """Every rank wrote its part of ``tmp``: a barrier, rank 0 commits, a barrier."""
+    _barrier()
+    if _rank() == 0:
+        _commit(tmp, path)
+    _barrier()
+
+
+def save(path: str, engine, lr_scheduler=None, dataloader=None, extra: Any = None,
+         async_save: bool = False) -> Optional[AsyncSave]:
+    """Write the engine's training state to directory ``path`` (collective, atomic). With
+    ``async_save`` the shard files are written in the background and the returned
+    :class:`AsyncSave` puts the directory in place when waited for (see there)."""
+    wait()
     _check_dataloader(dataloader)
     S.check_supported(engine)
     path = os.path.abspath(os.fspath(path))
@@ -112,27 +195,41 @@ def save(path: str, engine, lr_scheduler=None, dataloader=None, extra: Any = Non
     if rank == 0:
         os.makedirs(tmp)
     _barrier()
-    dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp))
+    writer = dcp.FileSystemWriter(tmp)
+    if async_save:
+        future = dcp.async_save(_cpu_copies(flat), storage_writer=writer,
+                                process_group=_async_group(), async_stager=_Staged())
+    else:
+        dcp.save(flat, storage_writer=writer)
     torch.save(S.rng_state(), os.path.join(tmp, f'rng_{rank}.pt'))
     if rank == 0:
         common = dict(S.side_state(engine, lr_scheduler), extra=extra,
+                      dataloader=None if dataloader is None else dataloader.state_dict(),
                       layout=_layout_signature(),
                       world_size=dist.get_world_size() if _distributed() else 1)
         torch.save(common, os.path.join(tmp, COMMON))
-    _barrier()
-    if rank == 0:
-        _commit(tmp, path)
-    _barrier()
+    if not async_save:
+        _finish(tmp, path)
+        return None
+    global _pending
+    _pending = AsyncSave(future, tmp, path)
+    return _pending
 
 
 def load(path: str, engine, lr_scheduler=None, dataloader=None) -> Any:
     """Load the checkpoint at ``path`` into ``engine`` in its own layout (collective);
     returns the ``extra`` given to :func:`save`."""
+    wait()
     _check_dataloader(dataloader)
     S.check_supported(engine)
     path = os.path.abspath(os.fspath(path))
     if not os.path.isfile(os.path.join(path, COMMON)):
         raise FileNotFoundError(f'{path} is not a complete checkpoint (no {COMMON})')
+    common = torch.load(os.path.join(path, COMMON), weights_only=False)
+    if dataloader is not None:  # before any collective: a position this loader cannot take
+        if common.get('dataloader') is None:
+            raise ValueError(f'{path} holds no data position (saved without dataloader=)')
+        dataloader.check_state(common['dataloader'])
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     views = _views()
@@ -145,8 +242,9 @@ def load(path: str, engine, lr_scheduler=None, dataloader=None) -> Any:
         flat = S.sharded_targets(engine, saved, views)
         dcp.load(flat, storage_reader=reader)
         S.load_sharded_tensor_state(engine, flat)
-    common = torch.load(os.path.join(path, COMMON), weights_only=False)
     S.load_side_state(engine, common, lr_scheduler)
+    if dataloader is not None:
+        dataloader.load_state_dict(common['dataloader'])
     world = dist.get_world_size() if _distributed() else 1
     rng_file = os.path.join(path, f'rng_{_rank()}.pt')
     if common['layout'] == _layout_signature() and common['world_size'] == world:

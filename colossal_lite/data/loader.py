@@ -8,6 +8,13 @@ batches of ``B`` indices (the last incomplete one dropped unless
 exactly the serial run's batch, in the serial order. Ranks that differ only in
 tensor or pipeline coordinates share a data rank and therefore get the same
 slice: a parallel model takes the full (data-local) batch, as a serial one would.
+
+Position (``state_dict`` / ``load_state_dict``, saved in checkpoints): the epoch being
+read, the global samples of its order already handed out (whole global batches) and the
+seed. Counted in global samples, it does not depend on the data-parallel size: a loader
+with another ``data_size`` (or another global batch that divides the count) resumes at the
+same sample of the same order, so a resumed run reads the batches the uninterrupted run
+would have read.
 """
 from __future__ import annotations
 
@@ -62,6 +69,8 @@ class DataParallelLoader:
         self.device = device
         self.epoch = 0
         self._explicit_epoch = False
+        self._position = None     # (epoch, global samples handed out) of the latest pass
+        self._start = 0           # global batches to skip in the next pass (after a load)
 
     def set_epoch(self, epoch: int):
         self.epoch, self._explicit_epoch = epoch, True
@@ -89,10 +98,49 @@ class DataParallelLoader:
         return self._slice(self.global_order(epoch), step)
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, ...]]:
-        epoch = self.epoch
+        epoch, start = self.epoch, self._start
         if not self._explicit_epoch:
             self.epoch += 1
-        self._explicit_epoch = False
+        self._explicit_epoch, self._start = False, 0
+        self._position = (epoch, start * self.global_batch_size)
         order = self.global_order(epoch)
-        for step in range(len(self)):
+        for step in range(start, len(self)):
+            self._position = (epoch, (step + 1) * self.global_batch_size)
             yield _take(self.dataset, self._slice(order, step), self.device)
+
+    # ------------------------------------------------------------------ position
+    def state_dict(self) -> dict:
+        """Where the next batch comes from: ``epoch``, ``samples`` (global samples of that
+        epoch's order already handed out), ``seed``, and for checks ``num_samples``,
+        ``global_batch_size``, ``data_size``. An epoch read to its end counts as the start
+        of the next one."""
+        epoch, samples = self._position if self._position is not None else (self.epoch, 0)
+        if self._position is None and self._start:
+            samples = self._start * self.global_batch_size
+        if samples + self.global_batch_size > len(self) * self.global_batch_size:
+            epoch, samples = epoch + 1, 0
+        return dict(epoch=epoch, samples=samples, seed=self.seed, num_samples=len(self.dataset),
+                    global_batch_size=self.global_batch_size, data_size=self.data_size)
+
+    def check_state(self, state: dict) -> int:
+        """The global batches to skip in the saved epoch; ValueError (no communication) when
+        this loader cannot continue at the saved sample: another data set size, or a
+        position that is not a whole number of this loader's global batches."""
+        if state.get('num_samples') != len(self.dataset):
+            raise ValueError(f"the saved data position is over {state.get('num_samples')} samples, "
+                             f"this loader's data set has {len(self.dataset)}")
+        samples = state['samples']
+        if samples % self.global_batch_size:
+            raise ValueError(
+                f"the saved data position ({samples} samples into epoch {state['epoch']}, saved "
+                f"with global batch {state['global_batch_size']} on data-parallel size "
+                f"{state['data_size']}) is not a whole number of this loader's global batches "
+                f"of {self.global_batch_size} (data-parallel size {self.data_size})")
+        return samples // self.global_batch_size
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at the saved position: the next pass reads the saved epoch's order (with
+        the saved seed) from the saved sample on (see :meth:`check_state`)."""
+        start = self.check_state(state)
+        self.seed, self.epoch, self._start = state['seed'], state['epoch'], start
+        self._explicit_epoch, self._position = False, None

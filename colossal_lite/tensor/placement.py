@@ -212,7 +212,10 @@ def to_dtensor(local: torch.Tensor, placement: Placement, mesh, layout):
     from torch.distributed.tensor import DTensor
     from ..context.layout import mode_axes
     names = tuple(n for n in mesh.mesh_dim_names if n != 'pipe')
-    sub = mesh[names]
+    meshes = current_context().meshes       # slicing a mesh takes ms: once per mesh
+    sub = meshes.get(('non-pipe', id(mesh)))
+    if sub is None:
+        sub = meshes[('non-pipe', id(mesh))] = mesh[names]
     spec = placement.dtensor_spec(names, mode_axes(layout))
     return DTensor.from_local(local, sub, spec, run_check=False,
                               shape=torch.Size(placement.shape),

@@ -1,0 +1,158 @@
+"""The checkpoints of a ``colossal-lite train`` job: what it saves, when, and where a run
+continues from. The worker calls :func:`resume` once after ``initialize`` and adds
+:func:`hooks` to the trainer; nothing else of the job knows about checkpoints.
+
+* **Save** (``checkpoint = dict(path=DIR, interval=N, async_save=False)``): every ``N``
+  steps and after the last one, ``colossal_lite.checkpoint.save(DIR, engine, lr_scheduler,
+  train loader, extra=checkpoint.job.job_extra(config, steps=total))`` -- collective,
+  atomic (``DIR`` is replaced by the complete new checkpoint), the model, optimizer, AMP,
+  LR scheduler, RNG, step and the loader's position. ``async_save``: the files of an
+  interval save are written during the next step, which then completes it.
+* **Resume**: ``--resume DIR`` loads ``DIR`` (any layout: DCP reshards; the data position
+  carries over in global samples); a worker the elastic agent restarted
+  (``TORCHELASTIC_RESTART_COUNT`` > 0) loads the job's own ``checkpoint.path`` when a
+  complete checkpoint is there (else ``--resume``, else it starts over). Training then
+  runs the steps left: the trainer's step counter starts at the saved step
+  (:class:`_StartAt`), so logs, the save interval and ``train.steps`` count as in the
+  uninterrupted run.
+* **Fault injection for tests**: with ``COLOSSAL_LITE_TEST_KILL='RANK:STEP'`` in the
+  environment, global rank ``RANK`` kills itself (SIGKILL) after step ``STEP`` of the first
+  attempt only (restart count 0). Used by tests/test_resume.py for ``--max-restarts``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from typing import List, Optional
+
+from .trainer import hooks as H
+
+KILL_ENV = 'COLOSSAL_LITE_TEST_KILL'
+
+
+def restart_count() -> int:
+    """How many times the elastic agent has restarted this worker group (0: first attempt)."""
+    return int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
+
+
+def is_complete(path: str) -> bool:
+    from .checkpoint.io import COMMON
+    return os.path.isfile(os.path.join(path, COMMON))
+
+
+def resume_dir(spec, resume: Optional[str]) -> Optional[str]:
+    """The checkpoint this worker continues from (see the module doc), or None."""
+    own = spec.checkpoint.get('path') if spec.checkpoint else None
+    if restart_count() > 0 and own and is_complete(own):
+        return own
+    return resume
+
+
+def saved_step(path: str) -> int:
+    """The global step a complete checkpoint was saved at (no collective)."""
+    import torch
+    from .checkpoint.io import COMMON
+    if not is_complete(path):
+        raise FileNotFoundError(f'{path} is not a complete checkpoint (no {COMMON})')
+    return torch.load(os.path.join(path, COMMON), weights_only=False)['global_step']
+
+
+def resume(spec, engine, lr_scheduler, train_loader, resume_from: Optional[str]) -> int:
+    """Load the checkpoint this run continues from into the engine, scheduler and loader
+    (collective); the step to start at (0 without one)."""
+    path = resume_dir(spec, resume_from)
+    if path is None:
+        return 0
+    from . import checkpoint
+    from .context import global_context as gpc
+    checkpoint.load(path, engine, lr_scheduler=lr_scheduler, dataloader=train_loader)
+    if gpc.get_global_rank() == 0:
+        again = f' (restart {restart_count()})' if restart_count() else ''
+        print(f'resumed from {path} at step {engine.global_step}{again}', flush=True)
+    return engine.global_step
+
+
+def hooks(spec, start_step: int, total: int, config_path: Optional[str], lr_scheduler,
+          train_loader) -> List[H.BaseHook]:
+    """The trainer hooks of the job's checkpoints: the start step, the saves, the test kill."""
+    out: List[H.BaseHook] = [_StartAt(start_step)]
+    if spec.checkpoint:
+        from .checkpoint.job import job_extra
+        extra = job_extra(config_path, steps=total) if config_path else None
+        out.append(JobCheckpointHook(spec.checkpoint['path'], spec.checkpoint['interval'],
+                                     lr_scheduler, train_loader, extra,
+                                     spec.checkpoint.get('async_save', False)))
+    if os.environ.get(KILL_ENV) and restart_count() == 0:
+        rank, step = (int(x) for x in os.environ[KILL_ENV].split(':'))
+        out.append(_KillAt(rank, step))
+    return out
+
+
+class _StartAt(H.BaseHook):
+    """Sets the trainer's step counter to the resumed step before training."""
+
+    uses_train_output = False
+    priority = H.METRIC_PRIORITY - 1
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step = step
+
+    def before_train(self, trainer):
+        trainer.cur_step = self.step
+
+
+class JobCheckpointHook(H.BaseHook):
+    """``checkpoint.save`` (collective) after every ``interval``-th step and after the last
+    step (unless that one was just saved); runs after the scheduler has stepped and the
+    loggers have read the metrics. With ``async_save`` an interval save writes its files
+    in the background during the next step and is completed (``wait``: barrier + rename)
+    after it; the last save is completed before training ends."""
+
+    uses_train_output = False
+    priority = H.OUTPUT_PRIORITY + 1
+
+    def __init__(self, path: str, interval: int, lr_scheduler, train_loader, extra,
+                 async_save: bool = False):
+        super().__init__()
+        self.path, self.interval, self.async_save = path, interval, async_save
+        self.lr_scheduler, self.loader, self.extra = lr_scheduler, train_loader, extra
+        self.saved_at = self.pending = None
+
+    def _save(self, trainer, async_save: bool):
+        from . import checkpoint
+        self.pending = checkpoint.save(self.path, trainer.engine, lr_scheduler=self.lr_scheduler,
+                                       dataloader=self.loader, extra=self.extra,
+                                       async_save=async_save)
+        self.saved_at = trainer.cur_step
+
+    def _complete(self):
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+    def after_train_iter(self, trainer, output, label, loss):
+        self._complete()
+        if trainer.cur_step % self.interval == 0:
+            self._save(trainer, self.async_save)
+
+    def after_train(self, trainer):
+        if self.saved_at != trainer.cur_step:
+            self._save(trainer, False)
+        self._complete()
+
+
+class _KillAt(H.BaseHook):
+    """Test fault: global rank ``rank`` ends itself with SIGKILL after step ``step``."""
+
+    uses_train_output = False
+    priority = H.OUTPUT_PRIORITY + 2
+
+    def __init__(self, rank: int, step: int):
+        super().__init__()
+        self.rank, self.step = rank, step
+
+    def after_train_iter(self, trainer, output, label, loss):
+        from .context import global_context as gpc
+        if trainer.cur_step == self.step and gpc.get_global_rank() == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
