@@ -45,15 +45,12 @@ model, one timed step, into ``results/zero_memory_quick.*``).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
-import resource
 import statistics
 import sys
 import time
 import traceback
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,6 +58,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import RESULTS_DIR, environment, load_average, print_table, write_json  # noqa: E402,E501
+from benchmarks._memory import live_tensor_bytes, peak_rss, reset_peak, rss_bytes  # noqa: E402
 from colossal_lite.testing import run_distributed  # noqa: E402
 
 SHAPE = dict(vocab_size=8192, max_positions=128, hidden=512, layers=8, heads=8, dropout=0.0)
@@ -71,48 +69,6 @@ WARMUP, STEPS = 1, 3
 VARIANTS = ['dp', 'zero1', 'zero2', 'zero3_device', 'zero3_cpu', 'zero3_auto', 'fsdp2',
             'deepspeed_zero2', 'deepspeed_zero3', 'deepspeed_zero3_torch_gpt']
 OURS = ['zero1', 'zero2', 'zero3_device', 'zero3_cpu', 'zero3_auto']
-_LIBC = ctypes.CDLL('libc.so.6')
-
-
-# ------------------------------------------------------------------ measurement
-def live_tensor_bytes() -> int:
-    """Bytes of the storages of every live tensor (found through gc after a collection, so
-    tensors left in unreachable cycles do not count), each storage once."""
-    from torch.distributed.tensor import DTensor
-    gc.collect()
-    seen, total = set(), 0
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore')
-        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    for obj in objects:
-        try:
-            t = obj._local_tensor if isinstance(obj, DTensor) else obj
-            storage = t.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if storage.data_ptr() == 0 or key in seen:
-                continue
-            seen.add(key)
-            total += storage.nbytes()
-        except Exception:   # noqa: BLE001 -- meta/fake tensors and the like hold no bytes
-            continue
-    return total
-
-
-def rss_bytes() -> int:
-    with open('/proc/self/statm') as f:
-        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
-
-
-def reset_peak():
-    gc.collect()
-    _LIBC.malloc_trim(0)
-    with open('/proc/self/clear_refs', 'w') as f:
-        f.write('5')
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
 
 # ------------------------------------------------------------------ variants
 def build_model():
