@@ -79,9 +79,10 @@ def hooks(spec, start_step: int, total: int, config_path: Optional[str], lr_sche
     if spec.checkpoint:
         from .checkpoint.job import job_extra
         extra = job_extra(config_path, steps=total) if config_path else None
-        out.append(JobCheckpointHook(spec.checkpoint['path'], spec.checkpoint['interval'],
-                                     lr_scheduler, train_loader, extra,
-                                     spec.checkpoint.get('async_save', False)))
+        out.append(H.SaveCheckpointHook(spec.checkpoint['path'], spec.checkpoint['interval'],
+                                        by_step=True, lr_scheduler=lr_scheduler,
+                                        dataloader=train_loader, extra=extra,
+                                        async_save=spec.checkpoint.get('async_save', False)))
     if os.environ.get(KILL_ENV) and restart_count() == 0:
         rank, step = (int(x) for x in os.environ[KILL_ENV].split(':'))
         out.append(_KillAt(rank, step))
@@ -100,46 +101,6 @@ class _StartAt(H.BaseHook):
 
     def before_train(self, trainer):
         trainer.cur_step = self.step
-
-
-class JobCheckpointHook(H.BaseHook):
-    """``checkpoint.save`` (collective) after every ``interval``-th step and after the last
-    step (unless that one was just saved); runs after the scheduler has stepped and the
-    loggers have read the metrics. With ``async_save`` an interval save writes its files
-    in the background during the next step and is completed (``wait``: barrier + rename)
-    after it; the last save is completed before training ends."""
-
-    uses_train_output = False
-    priority = H.OUTPUT_PRIORITY + 1
-
-    def __init__(self, path: str, interval: int, lr_scheduler, train_loader, extra,
-                 async_save: bool = False):
-        super().__init__()
-        self.path, self.interval, self.async_save = path, interval, async_save
-        self.lr_scheduler, self.loader, self.extra = lr_scheduler, train_loader, extra
-        self.saved_at = self.pending = None
-
-    def _save(self, trainer, async_save: bool):
-        from . import checkpoint
-        self.pending = checkpoint.save(self.path, trainer.engine, lr_scheduler=self.lr_scheduler,
-                                       dataloader=self.loader, extra=self.extra,
-                                       async_save=async_save)
-        self.saved_at = trainer.cur_step
-
-    def _complete(self):
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-
-    def after_train_iter(self, trainer, output, label, loss):
-        self._complete()
-        if trainer.cur_step % self.interval == 0:
-            self._save(trainer, self.async_save)
-
-    def after_train(self, trainer):
-        if self.saved_at != trainer.cur_step:
-            self._save(trainer, False)
-        self._complete()
 
 
 class _KillAt(H.BaseHook):

@@ -367,32 +367,58 @@ def _tqdm():
 
 
 class SaveCheckpointHook(BaseHook):
-    """Every ``interval`` epochs (or steps with ``by_step``): the full model state dict (serial
-    keys; every rank joins the gathers), step counters and the LR scheduler's state; rank 0
-    writes ``path`` (``{epoch}``/``{step}`` are filled in) with ``torch.save``."""
+    """``colossal_lite.checkpoint.save`` (collective: sharded, atomic, loads into any layout)
+    every ``interval`` epochs (or steps with ``by_step``) and, with ``at_end``, after the
+    last step unless that one was just saved. ``path`` may hold ``{epoch}``/``{step}``
+    (one directory per save) or not (each save replaces the previous one atomically). The
+    LR scheduler, the dataloader position and ``extra`` are saved with the engine. Runs
+    after the scheduler has stepped and the loggers have read the metrics. With
+    ``async_save`` a save's files are written in the background during the next step and
+    completed (barrier + rename) after it; the last save is completed before training ends.
+    Resume with ``checkpoint.load(dir, engine, lr_scheduler, dataloader)``."""
 
     uses_train_output = False
+    priority = OUTPUT_PRIORITY + 1
 
     def __init__(self, path: str, interval: int = 1, by_step: bool = False, lr_scheduler=None,
+                 dataloader=None, extra=None, async_save: bool = False, at_end: bool = True,
                  priority: Optional[int] = None):
         super().__init__(priority)
-        self.path, self.interval, self.by_step, self.lr_scheduler = path, interval, by_step, lr_scheduler
+        if interval < 1:
+            raise ValueError(f'SaveCheckpointHook interval must be a positive integer, got '
+                             f'{interval}')
+        self.path, self.interval, self.by_step, self.at_end = path, interval, by_step, at_end
+        self.lr_scheduler, self.dataloader, self.extra = lr_scheduler, dataloader, extra
+        self.async_save = async_save
+        self.saved_at = self.pending = None
 
-    def _save(self, trainer):
-        state = trainer.engine.state_dict()
-        state.update(epoch=trainer.cur_epoch, step=trainer.cur_step)
-        if self.lr_scheduler is not None:
-            state['lr_scheduler'] = self.lr_scheduler.state_dict()
-        if _is_rank0():
-            torch.save(state, self.path.format(epoch=trainer.cur_epoch, step=trainer.cur_step))
+    def _save(self, trainer, async_save: bool):
+        from .. import checkpoint
+        self._complete()
+        path = self.path.format(epoch=trainer.cur_epoch, step=trainer.cur_step)
+        self.pending = checkpoint.save(path, trainer.engine, lr_scheduler=self.lr_scheduler,
+                                       dataloader=self.dataloader, extra=self.extra,
+                                       async_save=async_save)
+        self.saved_at = trainer.cur_step
+
+    def _complete(self):
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
 
     def after_train_iter(self, trainer, output, label, loss):
+        self._complete()
         if self.by_step and trainer.cur_step % self.interval == 0:
-            self._save(trainer)
+            self._save(trainer, self.async_save)
 
     def after_epoch(self, trainer):
         if not self.by_step and (trainer.cur_epoch + 1) % self.interval == 0:
-            self._save(trainer)
+            self._save(trainer, self.async_save)
+
+    def after_train(self, trainer):
+        if self.at_end and self.saved_at != trainer.cur_step:
+            self._save(trainer, False)
+        self._complete()
 
 
 class TensorBoardHook(BaseHook):
