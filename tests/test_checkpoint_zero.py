@@ -13,9 +13,9 @@ import torch
 
 import colossal_lite as clt
 from colossal_lite import checkpoint
-from colossal_lite.checkpoint import state as S
 from colossal_lite.testing import engine_step, make_optimizer, replica_batch, run_distributed
 from tests.model_cases import make_case
+from tests.test_checkpoint import _full, _merge
 
 TIMEOUT = 300
 CHUNK_MB = 8192 * 4 / 2 ** 20        # 8192 fp32 elements: several chunks for the tiny GPT
@@ -44,20 +44,6 @@ def _steps(engine, n):
     return [float(engine_step(engine, batch)['loss']) for _ in range(n)]
 
 
-def _full(engine):
-    return {k: v.detach().cpu().clone() for k, v in S.tensor_state(engine).items()}
-
-
-def _merge(rank_states):
-    """One dict from the ranks' dicts; a key held by several ranks must agree bitwise."""
-    out = {}
-    for state in rank_states:
-        for key, value in state.items():
-            if key in out:
-                assert torch.equal(out[key], value), f'ranks disagree on {key}'
-            else:
-                out[key] = value
-    return out
 
 
 def _assert_equal_states(expected, actual):

@@ -216,6 +216,25 @@ def save(path: str, engine, lr_scheduler=None, dataloader=None, extra: Any = Non
     return _pending
 
 
+def load_tensors(path: str, engine) -> None:
+    """Read the tensors ``engine`` owns (``engine.model``, ``engine.optimizer``, ``engine.amp``
+    as ``state.py`` reads them) from the complete checkpoint at ``path`` (collective): DTensor
+    targets over the layout's mesh when launched, so DCP reads only the overlapping saved
+    chunks; full tensors in a serial process without a process group."""
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    views = _views()
+    if views is None:
+        flat = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+                for key in S.wanted_keys(engine, saved)}
+        dcp.load(flat, storage_reader=reader)
+        S.load_tensor_state(engine, flat)
+    else:
+        flat = S.sharded_targets(engine, saved, views)
+        dcp.load(flat, storage_reader=reader)
+        S.load_sharded_tensor_state(engine, flat)
+
+
 def load(path: str, engine, lr_scheduler=None, dataloader=None) -> Any:
     """Load the checkpoint at ``path`` into ``engine`` in its own layout (collective);
     returns the ``extra`` given to :func:`save`."""
@@ -230,18 +249,7 @@ def load(path: str, engine, lr_scheduler=None, dataloader=None) -> Any:
         if common.get('dataloader') is None:
             raise ValueError(f'{path} holds no data position (saved without dataloader=)')
         dataloader.check_state(common['dataloader'])
-    reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
-    views = _views()
-    if views is None:
-        flat = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
-                for key in S.wanted_keys(engine, saved)}
-        dcp.load(flat, storage_reader=reader)
-        S.load_tensor_state(engine, flat)
-    else:
-        flat = S.sharded_targets(engine, saved, views)
-        dcp.load(flat, storage_reader=reader)
-        S.load_sharded_tensor_state(engine, flat)
+    load_tensors(path, engine)
     S.load_side_state(engine, common, lr_scheduler)
     if dataloader is not None:
         dataloader.load_state_dict(common['dataloader'])

@@ -2,8 +2,8 @@
 built for the current layout (no engine, optimizer or training state).
 
 It is ``checkpoint.load`` restricted to the model: an engine-like view of the model with
-no optimizer and no AMP (:class:`_ModelOnly`) goes through the same functions of
-``state.py`` -- launched: ``sharded_targets`` (a ``DTensor`` of this rank's shard where the
+no optimizer and no AMP (:class:`_ModelOnly`) goes through the same ``io.load_tensors`` --
+launched: ``sharded_targets`` (a ``DTensor`` of this rank's shard where the
 parameter's placement has one, so DCP reads only the saved chunks overlapping it; full
 tensors otherwise) then ``load_sharded_tensor_state``; serial with no process group: full
 tensors and ``load_tensor_state``. The saved ``optim.*`` keys, side files and RNG states
@@ -14,10 +14,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from . import state as S
-from .io import COMMON, _barrier, _views
+from .io import COMMON, _barrier, load_tensors
 
 
 class _NoOptimizer:
@@ -40,17 +38,5 @@ def load_model(path: str, model: torch.nn.Module) -> None:
     path = os.path.abspath(os.fspath(path))
     if not os.path.isfile(os.path.join(path, COMMON)):
         raise FileNotFoundError(f'{path} is not a complete checkpoint (no {COMMON})')
-    engine = _ModelOnly(model)
-    reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
-    views = _views()
-    if views is None:
-        flat = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
-                for key in S.wanted_keys(engine, saved)}
-        dcp.load(flat, storage_reader=reader)
-        S.load_tensor_state(engine, flat)
-    else:
-        flat = S.sharded_targets(engine, saved, views)
-        dcp.load(flat, storage_reader=reader)
-        S.load_sharded_tensor_state(engine, flat)
+    load_tensors(path, _ModelOnly(model))
     _barrier()
