@@ -116,6 +116,21 @@ def test_weights_depend_only_on_seed_and_name():
                            a.state_dict()['blocks.0.attn.key.weight'])
 
 
+def _oversized_parameters(rank):
+    """Parameters whose storage is larger than the parameter (a shard viewing the full
+    tensor it was cut from would keep that tensor alive)."""
+    model = GPT(vocab_size=256, max_positions=32, hidden=64, layers=2, heads=4, dropout=0.0)
+    return [n for n, p in model.named_parameters()
+            if p.untyped_storage().nbytes() != p.numel() * p.element_size()]
+
+
+@pytest.mark.parametrize('world, tensor', [(2, dict(size=2, mode='1d')),
+                                           (4, dict(size=4, mode='2d'))], ids=['1d', '2d'])
+def test_each_rank_holds_only_its_shards(world, tensor):
+    results = run_distributed(_oversized_parameters, world, dict(parallel=dict(tensor=tensor)))
+    assert results == [[]] * world
+
+
 # ---------------------------------------------------------------------------- described builds
 XL_LAYOUTS = {  # gpt2-xl has 25 heads, which no split of 2, 4 or 8 divides: 32 heads of 50
     '1d_t8': (8, dict(tensor=dict(size=8, mode='1d'))),

@@ -134,7 +134,11 @@ def materialize(module: nn.Module, seed: Optional[int] = None,
         full = torch.empty(placement.shape, dtype=param.dtype)
         with torch.no_grad():
             init(full, torch.Generator().manual_seed(name_seed(seed, name)))
-        new = nn.Parameter(placement.shard(full).to(device), requires_grad=param.requires_grad)
+        local = placement.shard(full).to(device)
+        if local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() \
+                and local.numel() < full.numel():
+            local = local.clone()  # a view would keep the full tensor's storage alive
+        new = nn.Parameter(local, requires_grad=param.requires_grad)
         del full
         setattr(new, INIT_ATTR, init)
         set_placement(new, placement)
