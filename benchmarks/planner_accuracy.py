@@ -1,20 +1,34 @@
-"""Predicted vs measured step time of the planner's candidates on this machine.
+"""Predicted vs measured step time and peak memory of the planner's layouts on this machine.
 
-Measures a cluster profile of this machine (``colossal_lite.auto.profile.measure``: α-β of
-gloo collectives on 4 forked ranks, one block's FLOP rate), then for every layout of a small
-GPT (hidden 128, 4 layers, 4 heads, vocabulary 256, sequence 64, global batch 16) on 4 ranks
--- data, 1D, 2D, sequence, pipeline (1F1B, 4 micro-batches) and their mixes; no ZeRO, no
-checkpointing -- runs the real engine (``initialize`` + ``execute_schedule`` + ``step``,
-AdamW) on 4 forked gloo ranks: 2 warm-up steps, then the median over 5 steps of the
-slowest rank's step time. Prints predicted and measured times side by side, Kendall's tau
-between the two rankings, and how far the planner's pick is from the measured best.
-Peak memory is not compared: CPU tensors have no allocator statistics here.
+1. Profile: ``colossal_lite.auto.profile.measure`` (α-β of gloo collectives on 4 forked ranks,
+   small messages included; one block's FLOP rate and fixed per-block overhead).
+2. For GPT, BERT (no NSP head) and ViT at two sizes each, every layout of a fixed list on 4
+   ranks -- data, ZeRO 1/2/3, checkpointing, 1D/2D/sequence tensor and their mixes with
+   data, pipeline (1F1B, GPipe, zero bubble) -- runs the real engine (``initialize`` +
+   ``execute_schedule`` + ``step``, AdamW) on 4 forked gloo ranks. Per rank and step:
+   wall and CPU (``time.process_time``) seconds; memory as the planner defines it
+   (docs/planner.md): ``zero_grad``, then ``reset_peak``, then
+   ``measured peak = live tensor bytes at the step's start + peak RSS growth of the step``
+   (model data + gradients + activations + transients, without the torch runtime); and the
+   live tensor bytes after the step (model data, compared exactly).
+   Layouts are measured in ``ROUNDS`` rounds (every layout once per round, the order
+   reversed every other round; 1 by default to stay within ~15 minutes); the step time of
+   a layout is the median over rounds of (median over steps of the slowest rank). A layout
+   the runtime fails on is recorded with its error and left out of the analysis.
+3. Per (model, size) two budgets -- unlimited, and one between the predicted peaks that
+   excludes the hungrier layouts: Kendall τ between predicted and measured step time of the
+   layouts that fit, the planner's pick (fastest predicted that fits) against the best
+   measured that fits.
 
-Run: ``PYTHONPATH=. python benchmarks/planner_accuracy.py`` -> benchmarks/results/
-planner_accuracy.json and .png (≈ 2 min on 2 cores).
+Run: ``PYTHONPATH=. python benchmarks/planner_accuracy.py [--quick]`` ->
+benchmarks/results/planner_accuracy.json (written after every run: measurements and
+profile) and .png; ``--reanalyse [--reprofile]`` recomputes the predictions from the stored
+measurements (with a freshly measured profile).
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import sys
@@ -29,40 +43,88 @@ from benchmarks._common import environment, print_table, write_json  # noqa: E40
 from colossal_lite.auto.cost import Candidate, evaluate  # noqa: E402
 from colossal_lite.auto.model_spec import model_shape  # noqa: E402
 from colossal_lite.auto.planner import plan_config  # noqa: E402
-from colossal_lite.auto.profile import measure  # noqa: E402
-from colossal_lite.auto.search import layouts  # noqa: E402
+from colossal_lite.config import ParallelLayout  # noqa: E402
 from colossal_lite.testing import run_distributed  # noqa: E402
+from colossal_lite.testing.distributed import ChildFailed  # noqa: E402
 
-MODEL = dict(vocab_size=256, max_positions=64, hidden=128, layers=4, heads=4, dropout=0.0)
-SEQ, BATCH, WORLD, WARMUP, STEPS = 64, 16, 4, 2, 5
+WORLD, WARMUP, STEPS, ROUNDS = 4, 1, 3, 1
+TEXT = dict(vocab_size=256, max_positions=64, dropout=0.0)
+MODELS = {  # (kind, size) -> (options, seq or None for ViT, global batch)
+    ('gpt', 'small'): (dict(TEXT, hidden=64, layers=2, heads=4), 64, 8),
+    ('gpt', 'base'): (dict(TEXT, hidden=128, layers=4, heads=4), 64, 16),
+    ('bert', 'small'): (dict(TEXT, hidden=64, layers=2, heads=4, nsp=False), 64, 8),
+    ('bert', 'base'): (dict(TEXT, hidden=128, layers=4, heads=4, nsp=False), 64, 16),
+    ('vit', 'small'): (dict(img_size=16, patch_size=4, in_chans=3, num_classes=10, hidden=64,
+                            layers=2, heads=4, dropout=0.0), None, 8),
+    ('vit', 'base'): (dict(img_size=32, patch_size=4, in_chans=3, num_classes=10, hidden=128,
+                           layers=4, heads=4, dropout=0.0), None, 16),
+}
 
 
-def _measure(rank, steps, warmup):
+def _l(p=1, t=1, mode=None, d=1):
+    return ParallelLayout(p, t, mode, 1, d)
+
+
+def layout_list(kind: str, layers: int):
+    """(candidate, checkpoint) of the swept layouts; sequence mode only where s splits."""
+    out = [Candidate(_l(d=4), 1), Candidate(_l(d=4), 1, checkpoint=True),
+           Candidate(_l(d=4), 2, zero=2), Candidate(_l(d=4), 1, zero=3),
+           Candidate(_l(t=4, mode='1d'), 1), Candidate(_l(t=4, mode='2d'), 1),
+           Candidate(_l(t=2, mode='1d', d=2), 1), Candidate(_l(p=2, d=2), 4, '1f1b')]
+    out += ([Candidate(_l(t=4, mode='sequence'), 1)] if kind != 'vit' else
+            [Candidate(_l(p=2, t=2, mode='1d'), 4, 'zero_bubble')])
+    return out[:int(os.environ.get('PLANNER_ACCURACY_LAYOUTS', len(out)))]  # for a dry run
+
+
+def _batch(kind, opts, seq, per_replica, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == 'vit':
+        x = torch.randn(per_replica, opts['in_chans'], opts['img_size'], opts['img_size'],
+                        generator=g)
+        return x, torch.randint(0, opts['num_classes'], (per_replica,), generator=g)
+    ids = torch.randint(0, opts['vocab_size'], (per_replica, seq), generator=g)
+    return ids, ids
+
+
+def _worker(rank, kind, opts, seq, batch, steps, warmup):
+    """One layout on this rank: per step wall and CPU seconds, memory (module doc)."""
     torch.set_num_threads(1)
     import colossal_lite as clt
+    from benchmarks._memory import live_tensor_bytes, peak_rss, reset_peak, rss_bytes
     from colossal_lite import communication as comm
     from colossal_lite.context import ParallelMode, global_context as gpc
+    from colossal_lite.models import get_model
     from colossal_lite.testing import engine_step
-    from model_zoo import GPT, GPTLMLoss
-    torch.manual_seed(0)
-    model = GPT(**MODEL)
-    engine, *_ = clt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                GPTLMLoss())
+    entry = get_model(kind)
     data = gpc.get_world_size(ParallelMode.DATA)
-    ids = torch.randint(0, 256, (BATCH // data, SEQ),
-                        generator=torch.Generator().manual_seed(gpc.get_local_rank(ParallelMode.DATA)))
-    times = []
-    for i in range(warmup + steps):
+    x, y = _batch(kind, opts, seq, batch // data, gpc.get_local_rank(ParallelMode.DATA))
+    base = live_tensor_bytes()
+    torch.manual_seed(0)
+    model = entry.builder(**opts)
+    engine, *_ = clt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                entry.loss())
+    for _ in range(warmup):
+        engine_step(engine, (x, y))
+    wall, cpu, start_data, growth = [], [], [], []
+    for _ in range(steps):
+        engine.zero_grad()
+        start_data.append(live_tensor_bytes() - base)
+        reset_peak()
+        before = rss_bytes()
         comm.barrier()
-        start = time.perf_counter()
-        engine_step(engine, (ids, ids))
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+        t0, c0 = time.perf_counter(), time.process_time()
+        engine_step(engine, (x, y))
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        growth.append(peak_rss() - before)
+    return dict(wall=wall, cpu=cpu, start_data=max(start_data), growth=statistics.median(growth),
+                end_data=live_tensor_bytes() - base)
 
 
 def kendall_tau(a, b) -> float:
     n, score = len(a), 0
+    if n < 2:
+        return float('nan')
     for i in range(n):
         for j in range(i + 1, n):
             x, y = a[i] - a[j], b[i] - b[j]
@@ -70,40 +132,179 @@ def kendall_tau(a, b) -> float:
     return score / (n * (n - 1) / 2)
 
 
+def run_config(cand, shape, batch):
+    config = plan_config(shape, cand, batch)
+    return {k: config[k] for k in ('parallel', 'num_microbatches', 'zero') if k in config}
+
+
+def sweep(profile, models, rounds, checkpoint=None):
+    """Measure every (model, layout) ``rounds`` times, alternated: raw measurements (a
+    layout the runtime fails on keeps its error); ``checkpoint(raw)`` after each run."""
+    jobs = []
+    for key in models:
+        opts, seq, batch = MODELS[key]
+        shape = model_shape(key[0], None, seq=seq, **opts)
+        for cand in layout_list(key[0], opts['layers']):
+            jobs.append((key, shape, cand))
+    measured, errors = {i: [] for i in range(len(jobs))}, {}
+    for r in range(rounds):
+        order = range(len(jobs)) if r % 2 == 0 else reversed(range(len(jobs)))
+        for i in order:
+            key, shape, cand = jobs[i]
+            opts, seq, batch = MODELS[key]
+            o = dict(opts, checkpoint=True) if cand.checkpoint else opts
+            try:
+                per_rank = run_distributed(_worker, WORLD, run_config(cand, shape, batch),
+                                           key[0], o, shape.seq, batch, STEPS, WARMUP,
+                                           timeout=600)
+            except ChildFailed as exc:  # a runtime failure is a result, not the end
+                errors[i] = str(exc).strip().splitlines()[-1]
+                print(f'round {r} {key} {cand.describe()}: FAILED {errors[i]}', flush=True)
+                continue
+            measured[i].append(per_rank)
+            slowest = statistics.median(max(s) for s in zip(*[p['wall'] for p in per_rank]))
+            print(f'round {r} {key} {cand.describe()}: {slowest * 1e3:.0f} ms', flush=True)
+            if checkpoint:
+                checkpoint(_raw(jobs, measured, errors))
+    return _raw(jobs, measured, errors)
+
+
+def _raw(jobs, measured, errors):
+    return [dict(model=key[0], size=key[1], candidate=_cand_json(cand), runs=measured[i],
+                 error=errors.get(i)) for i, (key, shape, cand) in enumerate(jobs)]
+
+
+def _cand_json(cand):
+    l = cand.layout
+    return dict(pipeline=l.pipeline, tensor=l.tensor, mode=l.mode, depth=l.depth, data=l.data,
+                microbatches=cand.microbatches, schedule=cand.schedule, chunks=cand.chunks,
+                partition=cand.partition, zero=cand.zero, checkpoint=cand.checkpoint)
+
+
+def predict(raw, profile):
+    """Records: each measured layout with the cost model's predictions (``profile``)."""
+    records = []
+    for item in raw:
+        if not item['runs']:
+            continue  # the runtime failed on it (item['error'])
+        key = (item['model'], item['size'])
+        opts, seq, batch = MODELS[key]
+        shape = model_shape(key[0], None, seq=seq, **opts)
+        c = dict(item['candidate'])
+        layout = ParallelLayout(c.pop('pipeline'), c.pop('tensor'), c.pop('mode'),
+                                c.pop('depth'), c.pop('data'))
+        cand = Candidate(layout, **c)
+        est = evaluate(shape, profile, cand, batch)
+        runs = item['runs']
+        wall = [statistics.median(max(s) for s in zip(*[p['wall'] for p in run])) for run in runs]
+        cpu = [statistics.median(max(s) for s in zip(*[p['cpu'] for p in run])) for run in runs]
+        peak = [max(p['start_data'] + p['growth'] for p in run) for run in runs]
+        data_end = [p['end_data'] for p in runs[0]]
+        steps = [max(s) for s in zip(*[p['wall'] for p in runs[0]])]
+        records.append(dict(step_spread=max(steps) / min(steps) - 1,
+            model=key[0], size=key[1], layout=cand.describe(),
+            predicted_step_s=est.step_time, measured_step_s=statistics.median(wall),
+            measured_step_s_rounds=wall, measured_cpu_s=statistics.median(cpu),
+            predicted_peak_bytes=est.peak_memory, measured_peak_bytes=statistics.median(peak),
+            predicted_model_data_bytes=max(est.terms['model_data']),
+            measured_model_data_bytes=max(data_end), model_data_per_rank=data_end,
+            memory_error=est.peak_memory / statistics.median(peak) - 1,
+            model_data_error=max(est.terms['model_data']) / max(data_end) - 1))
+    return records
+
+
+def analyse(records):
+    """Per (model, size, budget): Kendall τ, the pick against the measured best."""
+    out = []
+    for key in dict.fromkeys((r['model'], r['size']) for r in records):
+        rs = [r for r in records if (r['model'], r['size']) == key]
+        peaks = sorted(r['predicted_peak_bytes'] for r in rs)
+        for name, budget in (('unlimited', float('inf')), ('tight', peaks[len(peaks) // 2])):
+            fit = [r for r in rs if r['predicted_peak_bytes'] <= budget]
+            valid = [r for r in rs if r['measured_peak_bytes'] <= budget]
+            pred = [r['predicted_step_s'] for r in fit]
+            meas = [r['measured_step_s'] for r in fit]
+            pick = fit[min(range(len(fit)), key=lambda i: pred[i])]
+            best = min(valid, key=lambda r: r['measured_step_s'])
+            spread = [max(r['measured_step_s_rounds']) / min(r['measured_step_s_rounds']) - 1
+                      for r in fit]
+            out.append(dict(model=key[0], size=key[1], budget=name, budget_bytes=budget,
+                            layouts=len(fit), kendall_tau=kendall_tau(pred, meas),
+                            kendall_tau_cpu=kendall_tau(pred, [r['measured_cpu_s'] for r in fit]),
+                            pick=pick['layout'], best=best['layout'],
+                            pick_fits=pick['measured_peak_bytes'] <= budget,
+                            pick_regret=pick['measured_step_s'] / best['measured_step_s'] - 1,
+                            median_round_spread=statistics.median(spread),
+                            median_step_spread=statistics.median(r['step_spread']
+                                                                 for r in fit),
+                            max_memory_error=max(abs(r['memory_error']) for r in fit)))
+    return out
+
+
 def main():
-    profile = measure('this machine (measured)')
-    shape = model_shape('gpt', None, seq=SEQ, **MODEL)
-    cands = []
-    for layout in layouts(shape, WORLD, BATCH):
-        if layout.mode == '2.5d':
-            continue  # depth 1 on 4 ranks is the 2D grid
-        m = 4 if layout.pipeline > 1 else 1
-        cands.append(Candidate(layout, m, '1f1b'))
-    records, rows = [], [['layout', 'predicted ms', 'measured ms']]
-    for cand in cands:
-        predicted = evaluate(shape, profile, cand, BATCH).step_time
-        config = plan_config(shape, cand, BATCH)
-        run = {k: config[k] for k in ('parallel', 'num_microbatches')}
-        per_rank = run_distributed(_measure, WORLD, run, STEPS, WARMUP, timeout=600)
-        measured = statistics.median(max(step) for step in zip(*per_rank))
-        records.append(dict(layout=cand.describe(), predicted_s=predicted, measured_s=measured))
-        rows.append([cand.describe(), f'{predicted * 1e3:.1f}', f'{measured * 1e3:.1f}'])
-        print(rows[-1], flush=True)
-    pred = [r['predicted_s'] for r in records]
-    meas = [r['measured_s'] for r in records]
-    tau = kendall_tau(pred, meas)
-    pick = min(range(len(records)), key=lambda i: pred[i])
-    regret = meas[pick] / min(meas) - 1
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--quick', action='store_true', help='GPT small only, one round')
+    parser.add_argument('--reanalyse', action='store_true',
+                        help="recompute the predictions from the stored profile and "
+                             "measurements (after a change to the cost model)")
+    parser.add_argument('--reprofile', action='store_true',
+                        help='with --reanalyse: measure a fresh profile for the predictions')
+    args = parser.parse_args()
+    from colossal_lite.auto.cluster import ClusterProfile
+    from colossal_lite.auto.profile import measure
+    start = time.perf_counter()
+    if args.reanalyse:
+        with open(os.path.join(os.path.dirname(__file__), 'results',
+                               'planner_accuracy.json')) as f:
+            old = json.load(f)
+        profile, raw = ClusterProfile.from_json(old['profile']), old['raw']
+        if args.reprofile:
+            profile = measure('this machine (measured)')
+        load_before, load_after = old['load_average_before'], old['load_average_after']
+        measured_s = old['measure_s']
+        extra = {k: old[k] for k in ('run_to_run',) if k in old}  # notes added by hand
+    else:
+        load_before, extra = os.getloadavg(), {}
+        profile = measure('this machine (measured)')
+        models = [('gpt', 'small')] if args.quick else list(MODELS)
+        def save(raw):  # the measurements so far: --reanalyse reads them
+            write_json('planner_accuracy', dict(
+                profile=profile.to_json(), raw=raw, load_average_before=load_before,
+                load_average_after=os.getloadavg(), measure_s=time.perf_counter() - start))
+        raw = sweep(profile, models, 1 if args.quick else ROUNDS, save)
+        load_after = os.getloadavg()
+        measured_s = time.perf_counter() - start
+    records = predict(raw, profile)
+    summary = analyse(records)
+    rows = [['model', 'layout', 'pred ms', 'meas ms', 'cpu ms', 'pred MiB', 'meas MiB',
+             'mem err']]
+    for r in records:
+        rows.append([f"{r['model']}-{r['size']}", r['layout'],
+                     f"{r['predicted_step_s'] * 1e3:.0f}", f"{r['measured_step_s'] * 1e3:.0f}",
+                     f"{r['measured_cpu_s'] * 1e3:.0f}",
+                     f"{r['predicted_peak_bytes'] / 2 ** 20:.1f}",
+                     f"{r['measured_peak_bytes'] / 2 ** 20:.1f}",
+                     f"{r['memory_error'] * 100:+.0f}%"])
     print_table(rows)
-    print(f"Kendall tau {tau:.2f}; the planner's pick ({records[pick]['layout']}) is "
-          f"{regret * 100:.0f}% slower than the measured best "
-          f"({records[meas.index(min(meas))]['layout']})")
+    rows = [['model', 'budget', 'n', 'tau', 'tau(cpu)', 'regret', 'step spread', 'max mem err',
+             'pick']]
+    for s in summary:
+        rows.append([f"{s['model']}-{s['size']}", s['budget'], s['layouts'],
+                     f"{s['kendall_tau']:.2f}", f"{s['kendall_tau_cpu']:.2f}",
+                     f"{s['pick_regret'] * 100:.0f}%", f"{s['median_step_spread'] * 100:.0f}%",
+                     f"{s['max_memory_error'] * 100:.1f}%", s['pick']])
+    print_table(rows)
     path = write_json('planner_accuracy', dict(
-        model=MODEL, seq=SEQ, batch=BATCH, world=WORLD, steps=STEPS, warmup=WARMUP,
-        profile=profile.to_json(), results=records, kendall_tau=tau,
-        pick=records[pick]['layout'], pick_regret=regret, environment=environment()))
+        world=WORLD, steps=STEPS, warmup=WARMUP, rounds=ROUNDS,
+        models={f'{k}-{s}': dict(options=o, seq=q, batch=b)
+                for (k, s), (o, q, b) in MODELS.items()},
+        load_average_before=load_before, load_average_after=load_after,
+        profile=profile.to_json(), results=records, summary=summary, measure_s=measured_s,
+        failed={f"{r['model']}-{r['size']} {r['candidate']}": r['error'] for r in raw
+                if r['error']},
+        environment=environment(), raw=raw, **extra))
     _plot(records)
-    print('wrote', path)
+    print('wrote', path, f'in {time.perf_counter() - start:.0f} s')
 
 
 def _plot(records):
@@ -113,16 +314,26 @@ def _plot(records):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6, 5))
-    for r in records:
-        ax.scatter(r['predicted_s'] * 1e3, r['measured_s'] * 1e3)
-        ax.annotate(r['layout'].split(' M=')[0], (r['predicted_s'] * 1e3, r['measured_s'] * 1e3),
-                    fontsize=6)
-    ax.set_xlabel('predicted step time (ms)')
-    ax.set_ylabel('measured step time (ms)')
-    ax.set_title('planner: predicted vs measured, GPT h=128 L=4 on 4 gloo ranks')
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    keys = list(dict.fromkeys(f"{r['model']}-{r['size']}" for r in records))
+    for key in keys:
+        rs = [r for r in records if f"{r['model']}-{r['size']}" == key]
+        axes[0].scatter([r['predicted_step_s'] * 1e3 for r in rs],
+                        [r['measured_step_s'] * 1e3 for r in rs], label=key, s=14)
+        axes[1].scatter([r['predicted_peak_bytes'] / 2 ** 20 for r in rs],
+                        [r['measured_peak_bytes'] / 2 ** 20 for r in rs], label=key, s=14)
+    for ax, what in zip(axes, ('step time (ms)', 'peak memory per rank (MiB)')):
+        lo, hi = ax.get_xlim()
+        ax.plot([lo, hi], [lo, hi], 'k:', lw=0.8)
+        ax.set_xlabel(f'predicted {what}')
+        ax.set_ylabel(f'measured {what}')
+        ax.set_xscale('log')
+        ax.set_yscale('log')
+    axes[0].legend(fontsize=7)
+    fig.suptitle('planner: predicted vs measured, 4 gloo ranks on this machine')
     fig.tight_layout()
-    fig.savefig(os.path.join(os.path.dirname(__file__), 'results', 'planner_accuracy.png'), dpi=120)
+    fig.savefig(os.path.join(os.path.dirname(__file__), 'results', 'planner_accuracy.png'),
+                dpi=120)
 
 
 if __name__ == '__main__':

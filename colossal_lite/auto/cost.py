@@ -7,21 +7,28 @@ ZeRO stage; activation checkpointing of every block or none). :func:`evaluate` g
 the step time. Formulas (docs/planner.md has them with their sources):
 
 * parameters per rank: ``formulas.params`` summed over the stage's layers (``model_spec``);
-* model states, fp32 Adam (docs/zero.md): none 16Ψ, ZeRO-1 8Ψ + 16Ψ/D, ZeRO-2 4Ψ + 16Ψ/D,
-  ZeRO-3 16Ψ/D;
-* activations: one block saves ``ModelShape.block_activation_bytes`` for its share of the
-  micro-batch (divided by t, except 1D, whose LayerNorm/residual/dropout parts stay
-  replicated); a checkpointed block keeps only its input and one block's activations live
-  during the recompute; times the micro-batches in flight of the schedule (GPipe M, 1F1B
-  and zero bubble P - r, interleaved (P-1-r)*2 + (V-1)*P + 1 chunk micro-batches);
-* compute: block FLOPs / t / ``flops`` (backward 2x forward, a recompute 1x);
-* tensor communication: ``formulas.block_bytes`` per block and micro-batch through the
+* memory = the step's peak of live model tensors, without the torch runtime
+  (docs/planner.md): model states at the peak (``OPTIMIZER_BYTES``, measured on this
+  runtime: gradients and the buffers they are reduced through included) + activations;
+  ``terms['model_data']`` the states live after a step (``MODEL_DATA_BYTES``, tested
+  equal to real runs);
+* activations: one block saves ``ModelShape.block_values_per_token`` per token for its share
+  of the micro-batch (counted on real blocks of every family); a checkpointed block keeps
+  only its input; while a block runs backward, the gradients of its activations (and,
+  checkpointed, the recomputed activations) are live too; times the micro-batches in
+  flight of the schedule (GPipe M, 1F1B and zero bubble P - r, interleaved
+  (P-1-r)*2 + (V-1)*P + 1 chunk micro-batches);
+* compute: a block of a family and size the profile timed (``family_blocks``): its fitted
+  ``overhead + seconds_per_flop * FLOPs``, collectives included; else block FLOPs / t /
+  ``flops`` + the per-block overhead (backward 2x forward, a recompute 1x) and
+  tensor communication: ``formulas.block_bytes`` per block and micro-batch through the
   profile's α-β of the family's collective (a recompute repeats the forward half);
 * stage boundaries: one p2p of the activation shard per micro-batch and direction;
 * gradient sync: ``formulas.gradient_sync_bytes`` over the data group; overlapped with the
   last micro-batch's backward without a pipeline (both slowed 1.3x while they overlap,
   as Galvatron-BMW measures), exposed after the pipeline flush with one;
-* step = pipeline time (bubble per schedule) + exposed gradient sync.
+* step = pipeline time (bubble per schedule) + exposed gradient sync + the AdamW step on
+  the local (ZeRO: sharded) parameters (``compute['adam_s_per_param']`` when measured).
 """
 from __future__ import annotations
 
@@ -35,7 +42,16 @@ from .model_spec import ModelShape, layer_params
 
 OVERLAP_SLOWDOWN = 1.3
 _block_bytes = lru_cache(maxsize=65536)(formulas.block_bytes)
-OPTIMIZER_BYTES = {0: (16, 0), 1: (8, 16), 2: (4, 16), 3: (0, 16)}  # (bytes/Ψ, bytes/(Ψ/D))
+# fp32 AdamW, bytes per local parameter as (whole, per 1/D shard), by ZeRO stage.
+# MODEL_DATA_BYTES: live after a step (weights, gradients -- ZeRO: the gradient shard --
+# and Adam moments; tested equal to real builds). OPTIMIZER_BYTES: at the step's peak,
+# measured on the runtime (docs/planner.md): without ZeRO the weights and moments (12),
+# the gradients (4) and, with D > 1, the flat all-reduce buffer (+4, ``DP_BUFFER``);
+# with ZeRO the weights (ZeRO-3: their shard), the moments' shards and three full
+# gradient-sized buffers (the gradients, the chunk copy, the reduce-scatter input).
+MODEL_DATA_BYTES = {0: (16, 0), 1: (4, 16), 2: (4, 16), 3: (0, 16)}
+OPTIMIZER_BYTES = {0: (16, 0), 1: (16, 12), 2: (16, 12), 3: (12, 12)}
+DP_BUFFER = 4
 # (op, calls per block) of each family's tensor-parallel traffic (calls: latency terms)
 TENSOR_OPS = {'1d': ('all_reduce', 6), '2d': ('broadcast', 30), '2.5d': ('broadcast', 30),
               '3d': ('all_gather', 60), 'sequence': ('p2p', 6)}
@@ -149,36 +165,27 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
 
 
 def model_state_bytes(params: float, zero: int, data: int) -> float:
-    """fp32 weights, gradients and Adam moments of ``params`` local elements by ZeRO stage."""
-    whole, sharded = OPTIMIZER_BYTES[zero]
+    """fp32 weights, gradients and Adam moments of ``params`` local elements by ZeRO stage,
+    live after a step (``MODEL_DATA_BYTES``)."""
+    whole, sharded = MODEL_DATA_BYTES[zero]
     return params * whole + params * sharded / data
-
-
-def _act_split(layout) -> Tuple[float, float]:
-    """(share of a block's activations one rank keeps, share of the block input it keeps)."""
-    t = layout.tensor
-    if layout.mode is None or t == 1:
-        return 1.0, 1.0
-    if layout.mode == '1d':  # Megatron: s b h (10 + 24/t) of 34 s b h
-        return None, 1.0
-    return 1.0 / t, 1.0 / t
 
 
 def block_memory(shape: ModelShape, layout, micro: float, checkpoint: bool, elem: int = 4
                  ) -> Tuple[float, float]:
-    """(bytes one block keeps per in-flight micro-batch, transient bytes while it computes)."""
-    full = shape.block_activation_bytes(micro, elem)
-    share, input_share = _act_split(layout)
-    if share is None:  # 1D: only the sharded matmul parts shrink
-        s, h, a, r = shape.seq, shape.hidden, shape.heads, shape.mlp_ratio
-        t = layout.tensor
-        per = s * h * (10 + (6 * r) / t) + 5 * a * s * s / t
-        kept = micro * per * elem / 2.0
-    else:
-        kept = full * share
-    if checkpoint:
-        return micro * shape.seq * shape.hidden * elem * input_share, kept
-    return kept, 0.0
+    """(bytes one block keeps per in-flight micro-batch, transient bytes at its backward):
+    ``ModelShape.block_values_per_token`` for the layout's split (1D keeps its LayerNorm
+    parts replicated), and while one block runs backward, the gradients of its activations
+    (as large as they); checkpointed, the block input (split t ways unless 1D), and the
+    recomputed activations on top of their gradients."""
+    t = layout.tensor if layout.mode else 1
+    one_d = layout.mode == '1d'
+    tokens = micro * shape.seq
+    grid = layout.tensor_grid if layout.mode in ('2d', '2.5d', '3d') else 1
+    kept = tokens * shape.block_values_per_token(layout.mode, t, grid) * elem
+    if checkpoint:  # transient: the recomputed activations and their gradients
+        return tokens * shape.hidden * elem / (1 if one_d else t), 2 * kept
+    return kept, kept  # transient: the gradients of one block's activations in its backward
 
 
 def _tensor_time(cluster: ClusterProfile, layout, nbytes: float) -> float:
@@ -193,6 +200,24 @@ def _tensor_time(cluster: ClusterProfile, layout, nbytes: float) -> float:
     size = max(size, 2)
     alpha, _ = cluster.alpha_beta(op, size, cluster.placement(t // size, size))
     return (calls - 1) * alpha + cluster.group_time(op, nbytes, t // size, size)
+
+
+def block_time(shape: ModelShape, cluster: ClusterProfile, layout, tokens: float,
+               comm_bytes: float) -> Tuple[float, float]:
+    """(forward compute seconds, forward + backward tensor-communication seconds) of one
+    block on ``tokens`` tokens of a replica micro-batch. A profile that timed real blocks of
+    this family and size (``compute['family_blocks']``, ``profile.measure_families``) gives
+    ``overhead + seconds_per_flop * 3 * FLOPs`` for the whole block, collectives included
+    (returned as forward = a third, communication 0); otherwise FLOPs / t / ``flops`` plus
+    ``compute['block_overhead_s'] / 3`` and the α-β time of ``comm_bytes``."""
+    t = layout.tensor if layout.mode else 1
+    flops = shape.block_flops(tokens)
+    table = cluster.compute.get('family_blocks', {})
+    entry = table.get(layout.mode or 'none', {}).get(str(t))
+    if entry is not None:
+        return (entry['overhead'] + entry['seconds_per_flop'] * 3 * flops) / 3, 0.0
+    overhead = float(cluster.compute.get('block_overhead_s', 0.0))
+    return flops / t / cluster.flops + overhead / 3, _tensor_time(cluster, layout, comm_bytes)
 
 
 def evaluate(shape: ModelShape, cluster: ClusterProfile, cand: Candidate, batch: int,
@@ -214,17 +239,21 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     block_params, first_params, last_params = part_params(shape, l, p * v > 1)
     kept, transient = block_memory(shape, l, micro, cand.checkpoint, elem)
 
-    f_block = shape.block_flops(tokens) / t / cluster.flops
     f_head = shape.head_flops(micro) / t / cluster.flops
     comm_block = _block_bytes(l.mode, t, micro, shape.seq, shape.hidden,
                               shape.mlp_ratio, l.depth, elem)
-    c_block = _tensor_time(cluster, l, comm_block)
+    f_block, c_block = block_time(shape, cluster, l, tokens, comm_block)
     recompute = (f_block + 0.5 * c_block) if cand.checkpoint else 0.0
     act_shard = tokens * shape.hidden * elem / (t if l.mode else 1)
     p2p = cluster.group_time('p2p', act_shard, d * t, 2) if p > 1 else 0.0
 
     acts, fwd, bwd, params_rank = [], [], [], []
-    logits = micro * (shape.seq if shape.kind != 'vit' else 1) * shape.outputs * elem * 2 / t
+    # the last part: two copies of the logits, and the final LayerNorm's input and output
+    # with its statistics (2h + 2 per token; split like a block's LayerNorm parts)
+    head_tokens = micro * (shape.seq if shape.kind != 'vit' else 1)
+    ln_split = 1 if l.mode in (None, '1d') else t
+    logits = (head_tokens * shape.outputs * 2 / t
+              + tokens * (2 * shape.hidden + 2) / ln_split) * elem
     f_one, b_one = f_block + c_block / 2, 2 * f_block + c_block / 2 + recompute
     parts = rank_parts(ranges, p, v)
     for rank, (n_blocks, n_stages, first, last) in enumerate(parts):
@@ -253,15 +282,21 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     for zero in zeros:
         this = cand if zero == cand.zero else replace(cand, zero=zero)
         whole, sharded = OPTIMIZER_BYTES[zero]
-        per_param = whole + sharded / d
+        reducers = d * t if l.mode == 'sequence' else d  # ranks a gradient is summed over
+        per_param = whole + sharded / d + (DP_BUFFER if zero == 0 and reducers > 1 else 0)
         memory = [n * per_param + a for n, a in zip(params_rank, acts)]
+        data_whole, data_sharded = MODEL_DATA_BYTES[zero]
+        model_data = [n * (data_whole + data_sharded / d) for n in params_rank]
         sync = _gradient_sync(cluster, l, this, max(params_rank), elem)
         if p == 1 and zero in (0, 2):
             exposed = max(0.0, sync - bwd[0]) + (OVERLAP_SLOWDOWN - 1) * min(sync, bwd[0])
         else:
             exposed = sync
-        terms = dict(shared, gradient_sync=sync, exposed_sync=exposed)
-        out.append(Estimate(this, pipe + exposed, memory, stage_time, terms))
+        updated = max(params_rank) / (d if zero else 1)
+        optimizer = float(cluster.compute.get('adam_s_per_param', 0.0)) * updated
+        terms = dict(shared, gradient_sync=sync, exposed_sync=exposed, model_data=model_data,
+                     optimizer=optimizer)
+        out.append(Estimate(this, pipe + exposed + optimizer, memory, stage_time, terms))
     return out
 
 

@@ -108,12 +108,38 @@ class ModelShape:
         return 2.0 * samples * self.seq * self.hidden * self.outputs
 
     def block_activation_bytes(self, samples: float, elem: int = 4) -> float:
-        """Bytes one block saves for backward for ``samples`` sequences, unsharded
-        (Korthikanti et al. 2022, scaled from 2-byte to ``elem``-byte values):
-        s b h (34 + 5 a s / h) half-precision bytes for MLP ratio 4."""
-        s, h, a = self.seq, self.hidden, self.heads
-        per = s * h * (10 + 6 * self.mlp_ratio) + 5 * a * s * s
-        return samples * per * elem / 2.0
+        """Bytes one block of model_zoo's ``TransformerLayer`` saves for backward for
+        ``samples`` sequences, unsharded: per token ``(8 + 2r) h + 4 + a`` values -- the
+        inputs of the two LayerNorms and their outputs, q, k, v, the attention output, the
+        fc1 output and the GELU output (8h + 2rh), the LayerNorms' mean and rstd (4) and the
+        attention's log-sum-exp per head (a; ``scaled_dot_product_attention`` keeps no
+        s x s matrix). Counted with ``saved_tensors_hooks`` on real blocks (a test); no
+        dropout masks (dropout 0)."""
+        return samples * self.seq * self.block_values_per_token() * elem
+
+    def block_values_per_token(self, mode: Optional[str] = None, tensor: int = 1,
+                               grid: int = 1) -> float:
+        """Saved values per token of a block (:meth:`block_activation_bytes`) on one of
+        ``tensor`` ranks of family ``mode`` (``grid``: the 2D/2.5D/3D grid side q). Counted
+        with ``saved_tensors_hooks`` on real blocks of each family (tests):
+
+        * none: ``(8 + 2r) h + 4 + a``;
+        * 1D (Megatron): the LayerNorm inputs/outputs and statistics ``4h + 4`` replicated,
+          the rest ``((4 + 2r) h + a) / t``;
+        * 2D/2.5D/3D: everything ``/ t`` plus ``h / q`` (the LayerNorm's gathered
+          statistics input);
+        * sequence: everything ``/ t`` plus ``a (c s - 1) / t`` for the ring attention's
+          per-head score statistics (c = 2 for GPT's causal attention, 1 for BERT)."""
+        h, r, a = self.hidden, self.mlp_ratio, self.heads
+        t = tensor if mode else 1
+        if mode == '1d':
+            return 4 * h + 4 + ((4 + 2 * r) * h + a) / t
+        base = ((8 + 2 * r) * h + 4 + a) / t
+        if mode in ('2d', '2.5d', '3d'):
+            return base + h / grid
+        if mode == 'sequence':
+            return base + a * ((2 if self.kind == 'gpt' else 1) * self.seq - 1) / t
+        return base
 
 
 def layer_params(layers: List[Layer], mode: Optional[str], layout) -> int:

@@ -11,7 +11,7 @@ reason it lost.
 from __future__ import annotations
 
 import pprint
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional
 
 from ..config import ConfigError
@@ -30,8 +30,9 @@ def _size(nbytes: float) -> str:
 @dataclass
 class Plan:
     """The chosen ``config`` with its ``estimate``; ``runners_up`` as (estimate, reason);
-    ``per_layer``: what per-block checkpointing and an explicit pipeline cut would give
-    (the runtime takes neither yet)."""
+    ``per_layer``: :func:`per_layer_choices` (the BMW cut and the per-block checkpoint set,
+    written into ``config`` where they differ from the candidate's uniform choices; the
+    ``estimate`` stays the candidate's)."""
 
     config: dict
     estimate: Estimate
@@ -80,13 +81,16 @@ class Plan:
         return head + body
 
 
-def plan_config(shape: ModelShape, cand: Candidate, batch: int) -> dict:
-    """The config dict of ``cand`` (module doc)."""
+def plan_config(shape: ModelShape, cand: Candidate, batch: int, partition=None,
+                checkpoint=None) -> dict:
+    """The config dict of ``cand`` (module doc); ``partition`` (blocks per stage) and
+    ``checkpoint`` (sorted block indices), when given, replace the candidate's named partition
+    and all-or-none checkpointing (the per-layer choices of :func:`per_layer_choices`)."""
     l = cand.layout
     parallel = dict(data=l.data)
     if l.pipeline > 1:
         parallel['pipeline'] = dict(size=l.pipeline, chunks=cand.chunks, schedule=cand.schedule,
-                                    partition=cand.partition)
+                                    partition=list(partition) if partition else cand.partition)
     if l.mode is not None:
         parallel['tensor'] = dict(size=l.tensor, mode=l.mode)
         if l.mode == '2.5d':
@@ -101,9 +105,13 @@ def plan_config(shape: ModelShape, cand: Candidate, batch: int) -> dict:
         from ..models import get_model
         defaults = dict(get_model(shape.kind).presets.get(shape.preset, {}))
     model.update({k: v for k, v in shape.opts.items() if defaults.get(k, object()) != v})
-    if cand.checkpoint:
+    if checkpoint is not None:
+        model['checkpoint'] = list(checkpoint)
+    elif cand.checkpoint:
         model['checkpoint'] = True
-    config['imports'] = ['model_zoo']
+    # the package that registered the model, so the config also runs without the entry point
+    from ..models import get_model
+    config['imports'] = [get_model(shape.kind).builder.__module__.split('.')[0]]
     config['model'] = model
     if shape.kind == 'gpt':
         config['data'] = dict(type='shakespeare', seq_len=shape.seq)
@@ -114,17 +122,22 @@ def plan_config(shape: ModelShape, cand: Candidate, batch: int) -> dict:
     return config
 
 
-def check_plan(shape: ModelShape, cand: Candidate, batch: int):
-    """The checks ``colossal-lite train`` runs on the plan's config: its typed sections
-    (``load_config``), ``job.check_layout`` (size rules, batch splits and a meta build of the
-    model on rank 0 and the last rank) and ``zero.low_level.check_zero`` (NotImplementedError
-    for what ZeRO does not run)."""
+def check_plan(shape: ModelShape, cand: Candidate, batch: int, **per_layer):
+    """The checks ``colossal-lite train`` runs on the plan's config (``per_layer``: the
+    ``partition`` / ``checkpoint`` of :func:`plan_config`): its typed sections
+    (``load_config``), ``job.check_layout`` (size rules, batch splits, an explicit cut's sum
+    and a meta build of the model on rank 0 and the last rank) and
+    ``zero.low_level.check_zero`` (NotImplementedError for what ZeRO does not run)."""
     from ..config import load_config
     from ..job import check_layout
     from ..zero.low_level import check_zero
-    settings = load_config(plan_config(shape, cand, batch)).settings
-    check_layout(job_spec(shape, batch), settings.layout.with_world_size(cand.layout.world_size),
-                 settings.pipeline.stages, settings.pipeline.num_microbatches)
+    settings = load_config(plan_config(shape, cand, batch, **per_layer)).settings
+    spec = job_spec(shape, batch)
+    if per_layer.get('checkpoint') is not None:
+        spec = replace(spec, options=dict(spec.options, checkpoint=per_layer['checkpoint']))
+    check_layout(spec, settings.layout.with_world_size(cand.layout.world_size),
+                 settings.pipeline.stages, settings.pipeline.num_microbatches,
+                 settings.pipeline.partition)
     check_zero(settings.source)
 
 
@@ -158,44 +171,72 @@ def _runners_up(result: SearchResult, best: Estimate, count: int) -> List[tuple]
     return out
 
 
-def _per_layer(shape: ModelShape, cluster: ClusterProfile, best: Estimate, batch: int,
-               budget: float) -> dict:
-    """Per-block checkpointing by the DP and the BMW cut, for the chosen layout."""
+def _rank_blocks(ranges: List[range], p: int) -> List[List[int]]:
+    """The serial block indices each pipeline rank holds (stage s on rank s % p)."""
+    return [[i for s, r in enumerate(ranges) if s % p == rank for i in r] for rank in range(p)]
+
+
+def _checkpoint_dp(shape: ModelShape, cluster: ClusterProfile, cand: Candidate, batch: int,
+                   budget: float, ranges: List[range]) -> Optional[List[int]]:
+    """Galvatron-BMW's per-stage DP (``dp_layers``) on each pipeline rank: the blocks to
+    checkpoint that minimize its recompute time with its memory <= ``budget`` (none when the
+    rank fits without); sorted serial indices, or None when some rank does not fit."""
     from .cost import in_flight
-    cand = best.candidate
     l = cand.layout
     micro = batch / l.data / cand.microbatches
     keep, _ = block_memory(shape, l, micro, False)
     keep_ck, transient = block_memory(shape, l, micro, True)
-    plain = evaluate(shape, cluster, Candidate(l, cand.microbatches, cand.schedule, cand.chunks,
-                                               cand.partition, cand.zero, False), batch)
-    ranges = stage_ranges(shape, cand.stages, cand.partition)
-    n = sum(len(ranges[s]) for s in range(cand.stages) if s % l.pipeline == 0)
-    held = in_flight(cand.schedule, l.pipeline, cand.microbatches, cand.chunks, 0)
-    other = plain.memory[0] - n * held * keep          # stage 0 without its blocks' activations
-    recompute = cand.microbatches * (best.terms['block_compute'] / 3
-                                     + best.terms['block_comm'] / 2)
-    options = [[(0.0, held * keep), (recompute, held * keep_ck)]] * n
-    if plain.memory[0] <= budget:   # nothing to recompute; else one block recomputes at a time
-        picks = [0] * n
-    else:
+    plain = evaluate(shape, cluster, replace(cand, checkpoint=False), batch, ranges=ranges)
+    recompute = cand.microbatches * (plain.terms['block_compute'] / 3
+                                     + plain.terms['block_comm'] / 2)
+    chosen = []
+    for rank, blocks in enumerate(_rank_blocks(ranges, l.pipeline)):
+        if plain.memory[rank] <= budget:
+            continue
+        held = in_flight(cand.schedule, l.pipeline, cand.microbatches, cand.chunks, rank)
+        other = plain.memory[rank] - len(blocks) * held * keep   # without its activations
+        options = [[(0.0, held * keep), (recompute, held * keep_ck)]] * len(blocks)
         _, picks = dp_layers(options, max(0.0, budget - other - transient))
-    out = dict(checkpointed_blocks_stage0=sum(picks) if picks else None, blocks_stage0=n)
-    note = (f'stage 0 would checkpoint {sum(picks)} of {n} blocks (the model takes one flag for '
-            f'all blocks)' if picks else 'no per-block checkpoint set fits')
-    if l.pipeline > 1:
-        def mem(ranges):
-            return evaluate(shape, cluster, cand, batch, ranges=ranges).memory
+        if not picks:
+            return None
+        chosen += [i for i, k in zip(blocks, picks) if k]
+    return sorted(chosen)
 
-        def times(ranges):
-            return evaluate(shape, cluster, cand, batch, ranges=ranges).stage_time
+
+def per_layer_choices(shape: ModelShape, cluster: ClusterProfile, best: Estimate, batch: int,
+                      budget: float) -> dict:
+    """The chosen layout's per-layer refinements: under a pipeline, the BMW cut
+    (``bmw_partition`` from the parameter-balanced cut) when it predicts a faster step than the
+    named partition (``partition``: blocks per stage); then the per-rank checkpoint DP on the
+    cut (``checkpoint``: the block indices), when it differs from the candidate's all-or-none
+    flag. Both go into the plan's config; ``note`` says what was chosen."""
+    cand = best.candidate
+    l = cand.layout
+    ranges = stage_ranges(shape, cand.stages, cand.partition)
+    out, notes = {}, []
+    if l.pipeline > 1:
+        def estimate(cut):
+            return evaluate(shape, cluster, cand, batch, ranges=cut)
         start = [len(r) for r in stage_ranges(shape, cand.stages, 'parameters')]
-        cut = bmw_partition(start, lambda r: max(mem(r)) <= budget, times)
-        out['bmw_partition'] = [len(r) for r in cut]
-        out['bmw_step_time'] = evaluate(shape, cluster, cand, batch, ranges=cut).step_time
-        note += (f'; BMW cut {out["bmw_partition"]} would take '
-                 f'{out["bmw_step_time"] * 1e3:.2f} ms (the runtime takes named partitions)')
-    out['note'] = note
+        cut = bmw_partition(start, lambda r: estimate(r).peak_memory <= budget,
+                            lambda r: estimate(r).stage_time)
+        sizes, bmw_time = [len(r) for r in cut], estimate(cut).step_time
+        out.update(bmw_partition=sizes, bmw_step_time=bmw_time)
+        if sizes != [len(r) for r in ranges] and bmw_time < best.step_time:
+            ranges, out['partition'] = cut, sizes
+            notes.append(f'BMW cut {sizes} ({bmw_time * 1e3:.2f} ms) replaces {cand.partition!r}')
+        else:
+            notes.append(f'BMW cut {sizes} ({bmw_time * 1e3:.2f} ms) is no faster than '
+                         f'{cand.partition!r}')
+    picks = _checkpoint_dp(shape, cluster, cand, batch, budget, ranges)
+    uniform = list(range(shape.layers)) if cand.checkpoint else []
+    if picks is not None and picks != uniform:
+        out['checkpoint'] = picks
+        notes.append(f'checkpoint {len(picks)} of {shape.layers} blocks {picks}')
+    else:
+        notes.append(f'checkpoint {"all" if cand.checkpoint else "no"} blocks (the per-block DP '
+                     f'agrees)' if picks is not None else 'no per-block checkpoint set fits')
+    out['note'] = '; '.join(notes)
     return out
 
 
@@ -235,6 +276,8 @@ def plan(model: str = 'gpt2-small', devices: int = 8, memory_gb: Optional[float]
         break
     if best is None:
         raise ValueError(f'no candidate for {model} on {devices} devices passes check_layout')
-    config = plan_config(shape, best.candidate, batch)
-    per_layer = _per_layer(shape, profile, best, batch, profile.memory_bytes)
+    per_layer = per_layer_choices(shape, profile, best, batch, profile.memory_bytes)
+    chosen = {k: per_layer[k] for k in ('partition', 'checkpoint') if k in per_layer}
+    check_plan(shape, best.candidate, batch, **chosen)
+    config = plan_config(shape, best.candidate, batch, **chosen)
     return Plan(config, best, _runners_up(result, best, runners_up), result, profile, per_layer)

@@ -4,8 +4,8 @@
   reduce too) at group sizes 2 (consecutive ranks: the PARALLEL_1D groups of a 4-rank
   world with 1D tensor size 2) and 4 (GLOBAL) on forked local gloo processes
   (``testing.run_distributed``), timed over a few message sizes; :func:`fit_alpha_beta`
-  fits ``t = alpha + beta * bytes`` by least squares. One machine is one node: every entry
-  is ``intra``.
+  fits ``t = alpha + beta * bytes`` by least squares; p2p as half a send/recv ping-pong
+  between the two ranks of a pair. One machine is one node: every entry is ``intra``.
 * compute: forward and backward of one model_zoo ``TransformerLayer`` at a few batch sizes
   on each of the 4 ranks at once (one thread each, as training runs); ``flops`` = the block
   FLOPs (``ModelShape.block_flops``, backward 2x) / measured time, median over ranks.
@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -24,18 +25,23 @@ import torch
 from .cluster import ClusterProfile
 
 OPS = ('all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', 'broadcast', 'reduce')
-SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 22)   # buffer bytes
+SIZES = (1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 22)   # buffer bytes: small calls fix alpha
 REPEATS = 5
+BLOCK_BATCHES = (1, 2, 4, 8)
 
 
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> Tuple[float, float]:
-    """Least-squares ``seconds = alpha + beta * nbytes``; alpha clipped at 0, beta at a tiny
-    positive value (a noisy fit never predicts negative time)."""
+    """Least-squares ``seconds = alpha + beta * nbytes`` in relative error (each point
+    weighted by 1 / its time, so the small calls that set alpha count as much as the large
+    ones that set beta); alpha clipped at 0, beta at a tiny positive value (a noisy fit never
+    predicts negative time)."""
     if len(nbytes) != len(seconds) or len(nbytes) < 2:
         raise ValueError(f'fit needs >= 2 (size, time) pairs of equal length, got '
                          f'{len(nbytes)} sizes and {len(seconds)} times')
-    a = torch.tensor([[1.0, float(n)] for n in nbytes], dtype=torch.float64)
-    y = torch.tensor([float(s) for s in seconds], dtype=torch.float64).unsqueeze(1)
+    w = [1.0 / max(float(s), 1e-12) for s in seconds]
+    a = torch.tensor([[wi, wi * float(n)] for wi, n in zip(w, nbytes)], dtype=torch.float64)
+    y = torch.tensor([wi * float(s) for wi, s in zip(w, seconds)],
+                     dtype=torch.float64).unsqueeze(1)
     sol = torch.linalg.lstsq(a, y).solution.squeeze(1)
     return max(0.0, float(sol[0])), max(1e-15, float(sol[1]))
 
@@ -64,7 +70,7 @@ def _time_collectives(rank: int, sizes: Sequence[int], repeats: int) -> Dict[str
     from ..context import ParallelMode, global_context as gpc
     from .. import communication as comm
     comm.barrier()
-    out: Dict[str, dict] = {'block': measure_block()}
+    out: Dict[str, dict] = {'block': measure_block(), 'adam_s_per_param': measure_adam()}
     for mode in (ParallelMode.PARALLEL_1D, ParallelMode.GLOBAL):
         axis = gpc.axis(mode)
         for op in OPS:
@@ -79,6 +85,22 @@ def _time_collectives(rank: int, sizes: Sequence[int], repeats: int) -> Dict[str
                     times.append(time.perf_counter() - start)
                 out.setdefault(op, {}).setdefault(str(axis.size), []).append(
                     (nbytes, statistics.median(times)))
+    axis = gpc.axis(ParallelMode.PARALLEL_1D)
+    for nbytes in sizes:  # p2p: a ping-pong between the two ranks of a pair, half of it
+        x = torch.ones(nbytes // 4)
+        times = []
+        for i in range(repeats + 1):
+            comm.barrier(ParallelMode.PARALLEL_1D)
+            start = time.perf_counter()
+            if axis.rank == 0:
+                comm.send(x, axis, 1)
+                comm.recv(x, axis, 1)
+            else:
+                comm.recv(x, axis, 0)
+                comm.send(x, axis, 0)
+            if i:
+                times.append((time.perf_counter() - start) / 2)
+        out.setdefault('p2p', {}).setdefault('2', []).append((nbytes, statistics.median(times)))
     return out
 
 
@@ -90,26 +112,51 @@ def measure_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS
     config = dict(parallel=dict(tensor=dict(size=2, mode='1d')))
     results = run_distributed(_time_collectives, 4, config, tuple(sizes), repeats, timeout=300)
     table: Dict[str, Dict[str, Dict[str, list]]] = {}
-    for op in OPS:
+    for op in OPS + ('p2p',):
         for p, points in results[0][op].items():
             # the slowest rank's time per size: a collective ends when its last rank does
             worst = [max(r[op][p][i][1] for r in results) for i in range(len(points))]
             alpha, beta = fit_alpha_beta([n for n, _ in points], worst)
             table.setdefault(op, {})[p] = {'intra': [alpha, beta]}
-    return table, [r['block'] for r in results]
+    return table, [dict(r['block'], adam_s_per_param=r['adam_s_per_param']) for r in results]
+
+
+def measure_adam(params: int = 1 << 20, tensors: int = 16, repeats: int = 5) -> float:
+    """Seconds per parameter of a ``torch.optim.AdamW`` step on ``params`` elements in
+    ``tensors`` tensors (the fastest of ``repeats``)."""
+    weights = [torch.nn.Parameter(torch.zeros(params // tensors)) for _ in range(tensors)]
+    for w in weights:
+        w.grad = torch.ones_like(w)
+    opt = torch.optim.AdamW(weights, lr=1e-3)
+    opt.step()  # allocates the moments
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return min(times) / params
+
+
+def _gpt(**options):
+    """The registered 'gpt' model (model_zoo's, found through the model registry)."""
+    from ..models import get_model
+    return get_model('gpt').builder(**options)
 
 
 def measure_block(hidden: int = 128, heads: int = 4, seq: int = 64,
-                  batches: Sequence[int] = (2, 4, 8), repeats: int = 5, warmup: int = 2) -> dict:
+                  batches: Sequence[int] = BLOCK_BATCHES, repeats: int = 5, warmup: int = 2
+                  ) -> dict:
     """Forward / backward seconds of one serial pre-LN block at each batch size (the fastest
-    of ``repeats`` after ``warmup``: on a shared machine noise only adds time), and the FLOP
-    rate they imply (median over the batch sizes)."""
-    from model_zoo.blocks import TransformerLayer
+    of ``repeats`` after ``warmup``: on a shared machine noise only adds time), and
+    ``fit_alpha_beta`` of forward + backward against the FLOPs: ``overhead`` (seconds a
+    block costs whatever its size: Python, dispatch, small kernels) and ``flops`` (the
+    rate of the FLOP-proportional part)."""
     from .model_spec import ModelShape
     torch.manual_seed(0)
-    block = TransformerLayer(hidden, heads, 4, 0.0, causal=True)
+    block = _gpt(vocab_size=256, max_positions=seq, hidden=hidden, heads=heads, layers=1,
+                 dropout=0.0).blocks['0']   # one pre-LN causal block of the registered GPT
     shape = ModelShape('gpt', None, (('hidden', hidden), ('heads', heads), ('layers', 1)), seq)
-    fwd, bwd, rates = [], [], []
+    fwd, bwd, flop_counts = [], [], []
     for b in batches:
         x = torch.randn(b, seq, hidden, requires_grad=True)
         f_times, b_times = [], []
@@ -124,21 +171,87 @@ def measure_block(hidden: int = 128, heads: int = 4, seq: int = 64,
                 b_times.append(end - mid)
         fwd.append(min(f_times))
         bwd.append(min(b_times))
-        rates.append(3 * shape.block_flops(b * seq) / (fwd[-1] + bwd[-1]))
+        flop_counts.append(3 * shape.block_flops(b * seq))
+    overhead, per_flop = fit_alpha_beta(flop_counts, [f + b for f, b in zip(fwd, bwd)])
     return dict(hidden=hidden, heads=heads, seq=seq, batches=list(batches), forward_s=fwd,
-                backward_s=bwd, flops=statistics.median(rates))
+                backward_s=bwd, flops=1.0 / per_flop, overhead=overhead)
+
+
+FAMILY_LAYOUTS = ((None, 1), ('1d', 2), ('1d', 4), ('2d', 4), ('sequence', 2), ('sequence', 4))
+FAMILY_MODEL = dict(vocab_size=256, max_positions=64, hidden=128, heads=4, dropout=0.0)
+FAMILY_BATCHES = (2, 4, 8)   # samples per data replica (2D splits it by q = 2)
+
+
+def _time_family(rank: int, batches: Sequence[int], repeats: int) -> Dict[str, float]:
+    """Forward + backward seconds of a 1- and a 2-block GPT (``FAMILY_MODEL``) built for the
+    launched layout, per ``'layers,batch'`` (``batch`` samples per data replica; the fastest
+    of ``repeats`` after a warm-up, every rank stepping at once after a barrier)."""
+    torch.set_num_threads(1)
+    from ..context import ParallelMode, global_context as gpc
+    data = gpc.get_world_size(ParallelMode.DATA)
+    from .. import communication as comm
+    out = {}
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        model = _gpt(layers=layers, **FAMILY_MODEL)
+        for b in batches:
+            ids = torch.randint(0, FAMILY_MODEL['vocab_size'], (b * data, 64),
+                                generator=torch.Generator().manual_seed(b))
+            times = []
+            for i in range(repeats + 1):
+                comm.barrier()
+                start = time.perf_counter()
+                model(ids).float().sum().backward()
+                if i:
+                    times.append(time.perf_counter() - start)
+            out[f'{layers},{b}'] = min(times)
+    return out
+
+
+def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BATCHES,
+                     repeats: int = REPEATS, world: int = 4) -> Dict[str, Dict[str, dict]]:
+    """Per tensor family and size t on ``world`` forked ranks (data = world / t): one real
+    block's forward + backward, tensor-parallel collectives included, as the difference of a
+    2-block and a 1-block model (the slowest rank), at 2, 4 and 8 samples per replica,
+    fitted by
+    :func:`fit_alpha_beta` against the block's FLOPs: ``overhead`` (seconds per block and
+    micro-batch whatever its size: Python, dispatch, the collectives' latencies) and
+    ``seconds_per_flop``; and ``rest``: the 1-block model minus its block (embedding, head,
+    loss) at the smallest batch. ``{mode or 'none': {str(t): {...}}}``."""
+    from ..testing import run_distributed
+    from .model_spec import ModelShape
+    shape = ModelShape('gpt', None, tuple(sorted(dict(FAMILY_MODEL, layers=1).items())), 64)
+    table: Dict[str, Dict[str, dict]] = {}
+    for mode, t in layouts:
+        parallel = dict(data=world // t)
+        if mode:
+            parallel['tensor'] = dict(size=t, mode=mode)
+        per_rank = run_distributed(_time_family, world, dict(parallel=parallel),
+                                   tuple(batches), repeats, timeout=300)
+        worst = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+        flops = [3 * shape.block_flops(b * 64) for b in batches]  # per replica
+        block = [max(worst[f'2,{b}'] - worst[f'1,{b}'], 1e-6) for b in batches]
+        overhead, per_flop = fit_alpha_beta(flops, block)
+        table.setdefault(mode or 'none', {})[str(t)] = dict(
+            overhead=overhead, seconds_per_flop=per_flop, block_s=block,
+            batches=list(batches), rest=max(0.0, worst[f'1,{batches[0]}'] - block[0]))
+    return table
 
 
 def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
             repeats: int = REPEATS) -> ClusterProfile:
     """A profile of this machine: 4 local ranks on one node (module doc); ``flops`` is the
     median of the 4 ranks' block FLOP rates, measured while all 4 compute."""
-    import psutil
     collectives, blocks = measure_ranks(sizes, repeats)
     return ClusterProfile(name=name, devices=4, devices_per_node=4,
-                          memory_bytes=float(psutil.virtual_memory().total) / 4,
+                          memory_bytes=float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')) / 4,
                           flops=statistics.median(b['flops'] for b in blocks),
-                          collectives=collectives, compute={'blocks_per_rank': blocks},
+                          collectives=collectives,
+                          compute={'blocks_per_rank': blocks, 'adam_s_per_param':
+                                   statistics.median(b['adam_s_per_param'] for b in blocks),
+                                   'block_overhead_s':
+                                   statistics.median(b['overhead'] for b in blocks),
+                                   'family_blocks': measure_families()},
                           sources={'all': 'measured by colossal_lite.auto.profile (gloo, '
                                           'forked local processes, CPU)'})
 

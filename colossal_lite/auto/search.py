@@ -8,8 +8,8 @@
    1D tensor: what the chunk engine runs), checkpointing of all blocks or none;
 3. the fastest candidate that fits the memory wins (:func:`search`).
 
-Per-layer choices the runtime cannot express yet (a checkpoint flag per block, an explicit
-pipeline cut) are searched for the chosen layout only, as reports: :func:`dp_layers`
+Per-layer choices (a checkpoint flag per block, an explicit pipeline cut) are searched for
+the chosen layout only and written into its config (``planner.per_layer_choices``): :func:`dp_layers`
 (Galvatron-BMW's dynamic program over (layer, memory budget), cross-checked against
 :func:`exhaustive_layers`) and :func:`bmw_partition` (memory-balanced cut moved toward
 time balance while memory fits).
