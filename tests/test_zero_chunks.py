@@ -9,7 +9,9 @@ from the full or sharded state dicts take the serial next step. Chunks of 8192 e
 the model into 6 chunks. The device accounting is read from the manager's ledger: 'auto'
 under a budget below the model data trains to the serial parameters, its accounted peak
 never passes the budget, and it moves fewer bytes than 'cpu'. Mixed precision matches plain
-data parallelism in the same precision and an overflow skips the step everywhere. Also: the
+data parallelism in the same precision and an overflow skips the step everywhere. A tiny
+ViT (its patch embedding uses the parameters of ``proj``, a module without a forward) and a
+model whose gradient arrives while its chunk is released also train to serial. Also: the
 tensor-state table, the named budget error, the chunk-size search, and the stage-3
 combinations that are not built.
 """
@@ -40,6 +42,7 @@ from colossal_lite.zero.chunk import (DeviceBudgetExceeded, IllegalTransition, T
 from colossal_lite.zero.chunk.chunk import Chunk
 from colossal_lite.zero.low_level import check_zero
 from model_zoo import GPT, GPTLMLoss
+from tests.model_cases import make_case
 
 STEPS = 5
 CHUNK_MB = 8192 * 4 / 2 ** 20       # 8192 fp32 elements per chunk
@@ -263,6 +266,116 @@ def test_chunks_are_repacked_in_traced_first_use_order(placement):
                           ['inp.weight', 'inp.bias']], before
         assert after == USE_ORDER, after
         assert ledger['used'] == resident, (ledger, resident)
+
+
+VIT_CHUNK_MB = 600 * 4 / 2 ** 20    # 600 fp32 elements: cls_token + pos_embed | proj | ...
+PATCH_PARAMS = ('patch_embed.cls_token', 'patch_embed.pos_embed', 'patch_embed.proj.weight',
+                'patch_embed.proj.bias')
+
+
+def _vit_worker(rank, init, placement):
+    """The tiny ViT (patch embedding: ``proj`` is a parameter container without a forward,
+    used by ``PatchEmbedding.forward``) under chunk ZeRO, searched and 600-element chunks."""
+    case = make_case('vit', batch=8)
+    out = []
+    for chunk_mb in (None, VIT_CHUNK_MB):
+        torch.manual_seed(1)
+        model = case.build()
+        model.load_state_dict(init)
+        zero = dict(stage=3, placement=placement)
+        if chunk_mb is not None:
+            zero['chunk_size_mb'] = chunk_mb
+        engine, *_ = clt.initialize(model, make_optimizer(model.parameters()),
+                                    case.criterion(), config=dict(zero=zero))
+        names = {id(p): n for n, p in model.named_parameters()}
+        trace = training_trace(engine, case.batch, steps=STEPS, step_fn=_step)
+        packing = [[names[id(p)] for p in c.params] for c in engine.optimizer.manager.chunks]
+        out.append((trace, packing, engine.model.state_dict()))
+    return out
+
+
+@pytest.mark.parametrize('placement', ['device', 'cpu'])
+def test_vit_with_chunk_zero_equals_serial_adamw(placement):
+    """ViT at dp=2: the patch embedding's conv weight and bias live in ``proj``, a module
+    without a forward that ``PatchEmbedding.forward`` uses; they are gathered and traced
+    with the patch embedding's hooks, so with the searched chunk size and with 600-element
+    chunks (``proj`` in a chunk of its own) the loss, every gradient and the parameters
+    after each of 5 AdamW steps equal serial, and the first-use re-packing puts the four
+    patch-embedding tensors in chunks before the final norm's (first used, not unused)."""
+    case = make_case('vit', batch=8)
+    torch.manual_seed(0)
+    model = case.build()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = training_trace(model, case.batch, steps=STEPS, step_fn=plain_step(
+        case.criterion(), make_optimizer(model.parameters()), outputs=False))
+    per_rank = run_distributed(_vit_worker, 2, {}, init, placement, timeout=TIMEOUT)
+    for index in range(2):
+        assert_matches_serial([r[index][0] for r in per_rank], ref)
+        for r in per_rank:
+            trace, packing, state = r[index]
+            where = {n: k for k, ps in enumerate(packing) for n in ps}
+            assert max(where[n] for n in PATCH_PARAMS) < where['norm.weight'], packing
+            assert_close_dict(state, model.state_dict())
+    assert len(per_rank[0][1][1]) > 2, per_rank[0][1][1]   # small chunks: several of them
+
+
+class _Boxed:
+    """A module output the chunk hooks cannot see (no tensor hook is put on it)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _BoxedLinear(torch.nn.Module):
+    def __init__(self, fan_in: int, fan_out: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(fan_out, fan_in) / fan_in ** 0.5)
+
+    def forward(self, x):
+        return _Boxed(x @ self.weight.t())
+
+
+class HiddenOutput(torch.nn.Module):
+    """The first layer returns its output boxed: backward never reaches its module hook, so
+    its weight's gradient (which needs the input, not the weight) arrives while its chunk
+    is released."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = _BoxedLinear(8, 16)      # 128 elements: a chunk of its own
+        self.out = col_nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x).value))
+
+
+HIDDEN_CHUNK_MB = 160 * 4 / 2 ** 20     # 160 fp32 elements: inp | out
+
+
+def _hidden_worker(rank, init, placement):
+    torch.manual_seed(1)
+    model = HiddenOutput()
+    model.load_state_dict(init)
+    zero = dict(stage=3, chunk_size_mb=HIDDEN_CHUNK_MB, placement=placement)
+    engine, *_ = clt.initialize(model, make_optimizer(model.parameters()), _mse,
+                                config=dict(zero=zero))
+    chunks = [[p is model.inp.weight for p in c.params] for c in engine.optimizer.manager.chunks]
+    return chunks, training_trace(engine, _reverse_batch(), steps=STEPS, step_fn=_step)
+
+
+@pytest.mark.parametrize('placement', ['device', 'cpu'])
+def test_gradient_arriving_while_its_chunk_is_released(placement):
+    """A parameter whose gradient arrives without its module's backward hook (its chunk
+    released after forward) re-gathers the chunk for its gradient: the trace equals serial."""
+    torch.manual_seed(1)
+    model = HiddenOutput()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = training_trace(model, _reverse_batch(), steps=STEPS, step_fn=plain_step(
+        _mse, make_optimizer(model.parameters()), outputs=False))
+    per_rank = run_distributed(_hidden_worker, 2, {}, init, placement, timeout=TIMEOUT)
+    assert_matches_serial([r[1] for r in per_rank], ref)
+    for chunks, _ in per_rank:
+        assert [True] in chunks, chunks     # the boxed weight alone in its chunk
 
 
 def _cpu_peak_bytes(fn):

@@ -6,10 +6,14 @@ optimizer over chunk shards.
 step, re-packed in the order that step first used them: :meth:`ChunkOptimizer.repack`),
 installs the hooks and returns the Engine's ``(amp, gradient_handler)``:
 
-* forward pre-hook of every module owning parameters: all_gather their chunks (tensors
-  COMPUTE); post-hook: tensors HOLD, a chunk whose tensors all hold is released, and a
-  tensor hook on each output re-gathers the chunks when backward reaches the module;
-* a post-accumulate-grad hook per parameter moves its gradient into the chunk's buffer; a
+* forward pre-hook of every module owning parameters (a module without a forward, a
+  parameter container, counts as part of its nearest ancestor with one): all_gather their
+  chunks (tensors COMPUTE); post-hook: tensors HOLD, a chunk whose tensors all hold is
+  released, and a tensor hook on each output re-gathers the chunks when backward reaches
+  the module;
+* a tensor hook per parameter gathers its chunk if its gradient arrives while the chunk is
+  released (no module hook re-gathered it), then a post-accumulate-grad hook moves the
+  gradient into the chunk's buffer; a
   chunk whose gradients are all in is reduce-scattered (async, overlapped with backward);
 * :class:`ChunkOptimizer` (a :class:`~colossal_lite.zero.optimizer.ZeroOptimizer`, so the
   full and sharded state dicts are the stage 1/2 ones) steps the fp32 shards with the user's
@@ -271,6 +275,23 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
+def _callable(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own (a parameter container has none)."""
+    return type(module).forward is not torch.nn.Module.forward
+
+
+def _used_parameters(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The parameters ``module``'s forward may use: its own, and those of the descendants
+    that have no forward (parameter containers such as a patch embedding's ``proj``, which
+    can only be used by an ancestor's forward), reached through such descendants only;
+    each tensor once."""
+    out = list(module.parameters(recurse=False))
+    for child in module.children():
+        if not _callable(child):
+            out.extend(_used_parameters(child))
+    return list({id(p): p for p in out}.values())
+
+
 class _Hooks:
     """Module and parameter hooks that drive the manager (module docstring)."""
 
@@ -289,12 +310,15 @@ class _Hooks:
         model.register_forward_pre_hook(self._root_pre, prepend=True)
         model.register_forward_hook(self._root_post)
         for name, module in model.named_modules():
-            own = [p for p in module.parameters(recurse=False) if id(p) in ids]
+            if not _callable(module):    # its parameters are hooked with its caller's
+                continue
+            own = [p for p in _used_parameters(module) if id(p) in ids]
             if own:
                 module.register_forward_pre_hook(self._pre(name, own))
                 module.register_forward_hook(self._post(name, own))
         for chunk in manager.chunks:
             for p in chunk.params:
+                p.register_hook(self._before_grad(p))
                 p.register_post_accumulate_grad_hook(manager.on_grad)
         # torch tags these hooks with an attribute, which a bound method cannot carry
         model.register_state_dict_post_hook(lambda *a: self._state_dict(*a))
@@ -349,6 +373,11 @@ class _Hooks:
             if self.tracer is not None and self.manager.access_log is not None:
                 self.tracer.module_start(name, sum(c.full_bytes
                                                    for c in self.manager.chunks_of(own)))
+        return hook
+
+    def _before_grad(self, param):
+        def hook(grad):
+            self.manager.before_grad(param)
         return hook
 
     def _post(self, name, own):

@@ -4,6 +4,8 @@ Collectives (all over a chunk's reduce group, the data-parallel axis ``data_para
 
 * :meth:`access`: one all_gather of the chunk (``capacity`` elements, the parameters' dtype)
   when a tensor in it is about to compute and the chunk is not gathered;
+* :meth:`before_grad`: one all_gather of the chunk when a gradient arrives while it is
+  released (no module hook re-gathered it);
 * :meth:`on_grad`: each gradient is written into its parameter's slot of the gathered
   buffer (no longer needed as weights); once every tensor of a chunk has its gradient, one
   async reduce_scatter of that buffer times 1/D (``capacity`` elements), waited for in
@@ -215,6 +217,13 @@ class ChunkManager:
                     and chunk.state(p) is S.HOLD]
             chunk.move(mine, S.COMPUTE)
 
+    def before_grad(self, param: torch.nn.Parameter):
+        """A tensor hook on ``param`` (runs before autograd accumulates its gradient): a
+        gradient that arrives without its module's pre-backward (e.g. an output the module
+        hooks cannot see) finds its chunk released; gather it (the other tensors' weights
+        are then valid for their own backward) so the gradient can land."""
+        self.access(self.chunk_of[id(param)])
+
     @torch.no_grad()
     def on_grad(self, param: torch.nn.Parameter):
         """``param``'s gradient was accumulated (every use of it in this backward is done):
@@ -228,7 +237,7 @@ class ChunkManager:
         chunk.grad_full = chunk.full
         chunk.write_grad(param, param.grad)
         param.grad = None
-        if chunk.state(param) is S.HOLD:   # a gradient without the pre-backward (e.g. no module)
+        if chunk.state(param) in (S.FREE, S.HOLD):   # no pre-backward reached it (before_grad)
             chunk.move([param], S.COMPUTE)
         chunk.move([param], S.HOLD_AFTER_BWD)
         if chunk.all_in(S.HOLD_AFTER_BWD):
