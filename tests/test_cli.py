@@ -426,30 +426,27 @@ def test_bad_data_fails_in_the_parent_naming_the_key(tmp_path, monkeypatch, caps
 
 
 # ---------------------------------------------------------------------------- as a new user meets it
-def killed_worker(config_path, steps):
-    import signal
-    from colossal_lite.communication import all_reduce
-    from colossal_lite.context import ParallelMode
-    from colossal_lite.launch import launch_from_torch
-    launch_from_torch(config_path, backend='gloo')
-    if int(os.environ['RANK']) == 3:
-        os.kill(os.getpid(), signal.SIGKILL)          # what the out-of-memory killer does
-    all_reduce(torch.ones(1), ParallelMode.GLOBAL)    # the others lose their connection here
+# A fresh process (not pytest's, whose threads from earlier tests a forked worker could
+# inherit mid-lock) that first leaves an exited, unreaped child of its own, then runs the CLI.
+_WITH_ZOMBIE = ('import os, sys\n'
+                'if os.fork() == 0:\n'
+                '    os._exit(0)      # a zombie until the end: FirstExit must ignore it\n'
+                'from colossal_lite.cli import main\n'
+                'sys.exit(main(sys.argv[1:]))\n')
 
 
-def test_a_killed_rank_is_named_first_with_its_signal(tmp_path, capsys):
-    """Also when the launching process has another exited, unreaped child (as pytest often
-    has): FirstExit watches only the workers' pids."""
-    other = os.fork()
-    if other == 0:
-        os._exit(0)                                   # a zombie until the end of the test
-    args = cli._parser().parse_args(['train', _write(tmp_path, TINY), '--nproc', '4'])
+def test_a_killed_rank_is_named_first_with_its_signal(tmp_path):
+    """Rank 3 ends itself with SIGKILL after step 2 (``COLOSSAL_LITE_TEST_KILL``, what the
+    out-of-memory killer does); the others then lose their connections. Also when the
+    launching process has another exited, unreaped child: FirstExit watches only the
+    workers' pids."""
+    path = _write(tmp_path, TINY)
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1', COLOSSAL_LITE_TEST_KILL='3:2')
+    run = subprocess.run([sys.executable, '-c', _WITH_ZOMBIE, 'train', path, '--nproc', '4'],
+                         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=280)
+    err = run.stderr
+    assert run.returncode == 1, run.stdout + err
     want = 'rank 3 failed first: killed by SIGKILL (the out-of-memory killer, or kill -9)'
-    try:
-        assert cli.train_command(args, entrypoint=killed_worker) == 1
-    finally:
-        os.waitpid(other, 0)
-    err = capsys.readouterr().err
     first = next(line for line in err.splitlines() if 'failed first' in line)
     assert first == want, err
     assert 'Traceback' not in err.split('traceback of rank')[0]   # no launcher noise before it
