@@ -4,10 +4,10 @@
 
 Model: ``GPT.from_preset('tiny', **SHAPE)`` (LM head tied to the token embedding), fp32,
 AdamW(lr 1e-4), a local batch of ``BATCH`` sequences of ``SEQ`` tokens per rank, dropout 0.
-One launched run per world size (``run_distributed``: forked ranks, gloo, one thread each)
-holds every variant, built one after the other in the same processes (each freed before the
-next: memory cannot be measured for two engines alive at once, so steps are not interleaved
-across variants; the order is reversed at the second world size):
+Each variant runs in its own launched ranks (``run_distributed``: forked ranks, gloo, one
+thread each), one variant after the other (memory cannot be measured for two engines alive
+at once, so steps are not interleaved across variants; the order is reversed at the second
+world size):
 
 * ``dp``: plain data parallelism (``clt.initialize`` without ``zero``);
 * ``zero1`` / ``zero2``: ``zero=dict(stage=1|2)``;
@@ -61,7 +61,9 @@ from benchmarks._common import RESULTS_DIR, environment, load_average, print_tab
 from benchmarks._memory import live_tensor_bytes, peak_rss, reset_peak, rss_bytes  # noqa: E402
 from colossal_lite.testing import run_distributed  # noqa: E402
 
-SHAPE = dict(vocab_size=8192, max_positions=128, hidden=512, layers=8, heads=8, dropout=0.0)
+# ~152M parameters (GPT-2 small's vocabulary and width, 16 blocks): about the largest GPT
+# whose plain data-parallel baseline (16 B/param + activations, 4 ranks) fits in 24 GiB
+SHAPE = dict(vocab_size=50304, max_positions=128, hidden=768, layers=16, heads=12, dropout=0.0)
 QUICK_SHAPE = dict(vocab_size=1024, max_positions=64, hidden=128, layers=2, heads=4, dropout=0.0)
 BATCH, SEQ = 2, 64
 CHUNK_MAX_ELEMS = 8 * 2 ** 20       # the chunk-size search's bound (32 MB fp32 chunks)
@@ -331,8 +333,12 @@ def main():
     for i, world in enumerate(int(w) for w in args.worlds.split(',')):
         order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
         load0 = load_average()
-        per_rank = run_distributed(worker, world, {}, order, limit, chunk_mb, 1, timeout=900,
-                                   collective_timeout=300)
+        per_rank = [{} for _ in range(world)]
+        for name in order:  # each variant in fresh ranks: nothing of the last one stays resident
+            for mine, got in zip(per_rank, run_distributed(
+                    worker, world, {}, [name], limit, chunk_mb, 1, timeout=1800,
+                    collective_timeout=600)):
+                mine.update(got)
         payload['load_average_during'][world] = {'before': load0, 'after': load_average()}
         res = summarize(per_rank, order, params)
         res['order'] = order
