@@ -24,21 +24,40 @@ def kernel():
     return ext
 
 
+SIMD_PATHS = ('scalar', 'avx2', 'avx512')
+
+
 def _backends():
-    # forced paths: every SIMD path of this CPU, then the torch implementation
+    """Forced paths: every SIMD path this CPU runs (asked of the built extension), then the
+    torch implementation; all of them when the extension did not build (the ``kernel``
+    fixture then fails each test, naming why)."""
     ext = _kernel.load_extension()
-    return list(ext.supported_simd()) + ['torch']
+    return (list(ext.supported_simd()) if ext is not None else list(SIMD_PATHS)) + ['torch']
 
 
-@pytest.fixture(params=['scalar', 'avx2', 'avx512', 'torch'])
+def pytest_generate_tests(metafunc):
+    if 'backend' in metafunc.fixturenames:
+        metafunc.parametrize('backend', _backends(), indirect=True)
+
+
+@pytest.fixture
 def backend(request, kernel):
-    """A forced path; on a CPU without it, the test becomes: forcing it raises."""
-    if request.param not in _backends():
-        with pytest.raises(ValueError, match='not supported by this CPU'):
-            adam_step(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), 1, LR,
-                      *BETAS, EPS, 0.0, True, backend=request.param)
-        pytest.skip(f'checked that this CPU refuses the {request.param} path')
+    """The forced path of this test (parametrized by ``pytest_generate_tests``)."""
     return request.param
+
+
+@pytest.mark.parametrize('path', SIMD_PATHS)
+def test_forcing_a_simd_path_runs_it_or_names_the_cpu_refusal(kernel, path):
+    """A path this CPU has runs when forced; one it lacks raises before touching a tensor."""
+    p = torch.ones(3)
+    args = (p, torch.ones(3), torch.zeros(3), torch.zeros(3), 1, LR, *BETAS, EPS, 0.0, True)
+    if path in kernel.supported_simd():
+        assert adam_step(*args, backend=path) is False           # finite: stepped
+        assert torch.allclose(p, torch.full((3,), 1 - LR), atol=1e-6)   # Adam's first step
+    else:
+        with pytest.raises(ValueError, match='not supported by this CPU'):
+            adam_step(*args, backend=path)
+        assert torch.equal(p, torch.ones(3))
 
 
 def _reference(master, grads, adamw, weight_decay, loss_scale, steps):
