@@ -203,15 +203,21 @@ class _limited:
             yield batch
 
 
+def launch_worker(cfg) -> None:
+    """One thread per worker process, then ``launch_from_torch(cfg)`` with the config's
+    backend (default: NCCL where CUDA is available, else gloo)."""
+    os.environ['OMP_NUM_THREADS'] = '1'
+    torch.set_num_threads(1)
+    backend = cfg.settings.run.backend or ('nccl' if torch.cuda.is_available() else 'gloo')
+    launch_from_torch(cfg, backend=backend)
+
+
 def worker_main(config_path: str, steps: Optional[int] = None, resume: Optional[str] = None):
     """Entry point of each process the elastic launcher starts; ``resume``: a checkpoint
     directory to continue from."""
-    os.environ['OMP_NUM_THREADS'] = '1'
-    torch.set_num_threads(1)
     cfg = load_config(config_path)
     spec = cfg.settings.job.with_steps(steps)
-    backend = cfg.settings.run.backend or ('nccl' if torch.cuda.is_available() else 'gloo')
-    launch_from_torch(cfg, backend=backend)
+    launch_worker(cfg)
     try:
         result = train(gpc.config, spec, resume=resume, config_path=config_path)
         if gpc.get_global_rank() == 0:

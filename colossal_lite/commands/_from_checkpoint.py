@@ -110,19 +110,12 @@ def launch_worker(ckpt: str, nproc: int, mode: Optional[str], depth: Optional[in
     """On a worker: launch the checkpoint's job under the tensor layout, build its model and
     load the checkpoint's weights into it (collective). Returns ``(cfg, model)``; the caller
     ends with ``gpc.destroy()``."""
-    import os
-
-    import torch
-
     from ..checkpoint import load_model
     from ..context import global_context as gpc
     from ..job import build_model
-    from ..launch import launch_from_torch
-    os.environ['OMP_NUM_THREADS'] = '1'
-    torch.set_num_threads(1)
+    from ..worker import launch_worker as launch
     cfg = inference_config(ckpt, nproc, mode, depth)
-    backend = cfg.settings.run.backend or ('nccl' if torch.cuda.is_available() else 'gloo')
-    launch_from_torch(cfg, backend=backend)
+    launch(cfg)
     model = build_model(cfg.settings.job).to(gpc.device)
     load_model(ckpt, model)
     return cfg, model
