@@ -66,18 +66,25 @@ def gpt_kwargs_from_hf(hf_config, vocab_size: Optional[int] = None) -> dict:
                 eps=hf_config.layer_norm_epsilon)
 
 
+def _renames():
+    """``(our key, HF key, transposed)`` of every block tensor but q/k/v, relative to the
+    block: Conv1D weights ``[in, out]`` are our Linear weights transposed."""
+    for ours, theirs in _PAIRS.items():
+        yield ours + '.weight', theirs + '.weight', True
+        yield ours + '.bias', theirs + '.bias', False
+    for ours, theirs in _NORMS.items():
+        yield ours + '.weight', theirs + '.weight', False
+        yield ours + '.bias', theirs + '.bias', False
+
+
 def _block_to_ours(hf, i: int, hidden: int) -> State:
     p, q, out = f'h.{i}.', f'blocks.{i}.', {}
     qkv_w, qkv_b = hf[p + 'attn.c_attn.weight'], hf[p + 'attn.c_attn.bias']
     for j, name in enumerate(('query', 'key', 'value')):
         out[q + f'attn.{name}.weight'] = qkv_w[:, j * hidden:(j + 1) * hidden].t()
         out[q + f'attn.{name}.bias'] = qkv_b[j * hidden:(j + 1) * hidden]
-    for ours, theirs in _PAIRS.items():
-        out[q + ours + '.weight'] = hf[p + theirs + '.weight'].t()
-        out[q + ours + '.bias'] = hf[p + theirs + '.bias']
-    for ours, theirs in _NORMS.items():
-        out[q + ours + '.weight'] = hf[p + theirs + '.weight']
-        out[q + ours + '.bias'] = hf[p + theirs + '.bias']
+    for ours, theirs, transpose in _renames():
+        out[q + ours] = hf[p + theirs].t() if transpose else hf[p + theirs]
     return out
 
 
@@ -86,12 +93,8 @@ def _block_to_hf(state: State, i: int) -> State:
     names = ('query', 'key', 'value')
     out[p + 'attn.c_attn.weight'] = torch.cat([state[q + f'attn.{n}.weight'].t() for n in names], 1)
     out[p + 'attn.c_attn.bias'] = torch.cat([state[q + f'attn.{n}.bias'] for n in names])
-    for ours, theirs in _PAIRS.items():
-        out[p + theirs + '.weight'] = state[q + ours + '.weight'].t()
-        out[p + theirs + '.bias'] = state[q + ours + '.bias']
-    for ours, theirs in _NORMS.items():
-        out[p + theirs + '.weight'] = state[q + ours + '.weight']
-        out[p + theirs + '.bias'] = state[q + ours + '.bias']
+    for ours, theirs, transpose in _renames():
+        out[p + theirs] = state[q + ours].t() if transpose else state[q + ours]
     return out
 
 
