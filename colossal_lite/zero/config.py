@@ -16,7 +16,9 @@
   after the warm-up step, fp32 master shards homed on the CPU move to the device while
   they fit in r times the margin the warm-up left under ``device_memory_limit`` --
   Colossal-AI's adaptive HybridAdam; not with placement 'device', which homes them all
-  there already).
+  there already), ``keep_gathered`` (int >= 0, default 1: gathered chunks whose tensors
+  all hold stay gathered, up to this many beyond the ones in use, released farthest next
+  use first; 0 releases each chunk as soon as its tensors hold).
 
 A key of the other family of stages is an error (it would silently do nothing).
 Every bad value raises :class:`~colossal_lite.config.ConfigError` naming the key and
@@ -34,7 +36,7 @@ STAGES = (1, 2, 3)
 PLACEMENTS = ('device', 'cpu', 'static', 'auto')
 LOW_LEVEL_KEYS = ('bucket_mb', 'overlap', 'offload_optimizer')
 CHUNK_KEYS = ('placement', 'device_memory_limit', 'chunk_size_mb', 'device_fraction',
-              'device_margin_ratio')
+              'device_margin_ratio', 'keep_gathered')
 KEYS = ('stage',) + LOW_LEVEL_KEYS + CHUNK_KEYS
 
 
@@ -49,6 +51,7 @@ class ZeroSettings:
     chunk_size_mb: Optional[float] = None
     device_fraction: float = 1.0
     device_margin_ratio: float = 0.0
+    keep_gathered: int = 1
 
     @property
     def bucket_bytes(self) -> int:
@@ -119,7 +122,10 @@ def parse_zero(section: Optional[Mapping]) -> Optional[ZeroSettings]:
     if ratio and placement == 'device':
         raise ConfigError(f"'zero.device_margin_ratio' = {ratio!r} moves CPU master shards to "
                           f"the device, but placement 'device' has none on the CPU")
-    return ZeroSettings(stage=3, placement=placement,
+    keep = section.get('keep_gathered', 1)
+    if isinstance(keep, bool) or not isinstance(keep, numbers.Integral) or keep < 0:
+        raise ConfigError(f"'zero.keep_gathered' must be an integer >= 0, got {keep!r}")
+    return ZeroSettings(stage=3, placement=placement, keep_gathered=int(keep),
                         device_memory_limit=_positive(section, 'device_memory_limit', None, True),
                         chunk_size_mb=_positive(section, 'chunk_size_mb', None, True),
                         device_fraction=float(fraction), device_margin_ratio=float(ratio))

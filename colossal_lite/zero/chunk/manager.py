@@ -15,7 +15,16 @@ Collectives (all over a chunk's reduce group, the data-parallel axis ``data_para
 * :meth:`repack` (once, after the warm-up step, in first-use order): one all_gather per old
   chunk and re-sharded tensor (masters, Adam moments) over the reduce group.
 
-Every rank runs the same modules in the same order, so the collectives line up.
+A chunk whose tensors all hold after forward stays gathered (idle) until room is needed:
+before a gather, idle chunks beyond ``zero.keep_gathered`` are released, the one used
+farthest in the future first (:class:`~.forecast.Forecast` over the previous training
+pass's chunk uses: Belady), and the device budget releases idle chunks before it evicts
+anything else. So a chunk used again soon (the token embedding tied to the LM head, the
+last blocks of forward that open backward) is not gathered twice. Idle chunks are released
+when the gradients are complete (:meth:`flush`), before the optimizer changes the masters.
+
+Every rank runs the same modules in the same order, so the collectives line up (the keep
+and release decisions depend only on that order and on the configuration).
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ import torch
 from ...communication import collective as C
 from ..buckets import _bucket_key, reduce_axis
 from .chunk import Chunk, TensorState as S
+from .forecast import Forecast
 from .placement import DeviceLedger, build_placement
 
 
@@ -93,6 +103,11 @@ class ChunkManager:
         self._pending: List[Tuple[Chunk, 'C.Pending']] = []
         self.access_log: Optional[List[int]] = None   # set by the tracer during warm-up
         self.gathers = 0
+        self.keep_gathered = settings.keep_gathered
+        self.forecast = Forecast()          # chunk uses of the last pass with a backward
+        self._uses: List[int] = []          # this pass's chunk uses (repeats collapsed)
+        self._backward_seen = False
+        self.ledger.evictors.insert(0, self._evict_idle)
 
     def _form(self, packed, shards: Optional[List[torch.Tensor]] = None):
         """Build the chunks of ``packed`` (``[(params, elements)]``; their masters from
@@ -123,6 +138,7 @@ class ChunkManager:
         current chunk (None: none on any rank); returns the same tensors cut for the new
         chunks (fp32, zero where nothing was given). Collective: one all_gather of each
         given shard's chunk over the reduce group, at most one gathered chunk alive."""
+        self.release_idle()
         old = list(self.chunks)
         if any(c.full is not None or c.grad_full is not None for c in old) or self._pending:
             raise RuntimeError('chunks can be re-packed only between passes')
@@ -152,6 +168,8 @@ class ChunkManager:
                 del full
             out[name] = new
         self._form(packed, out['master'])
+        self.forecast.clear()        # the chunk indices changed
+        self._uses, self._backward_seen = [], False
         return out
 
     # ------------------------------------------------------------------ gather / release
@@ -171,6 +189,9 @@ class ChunkManager:
             return
         if self.access_log is not None:
             self.access_log.append(chunk.index)
+        idle = self._idle()
+        while len(idle) > self.keep_gathered:
+            self._release_farthest(idle)
         pinned = getattr(self.policy, 'pinned', set())
         pinned.add(chunk.index)
         try:
@@ -184,6 +205,33 @@ class ChunkManager:
             pinned.discard(chunk.index)
         chunk.attach(full)
         self.gathers += 1
+
+    def _use(self, chunk: Chunk):
+        if not self._uses or self._uses[-1] != chunk.index:
+            self._uses.append(chunk.index)
+            self.forecast.use(chunk.index)
+
+    def _idle(self) -> List[Chunk]:
+        """Gathered chunks no tensor computes in and no gradient fills."""
+        return [c for c in self.chunks if c.full is not None and c.grad_full is None
+                and c.all_in(S.HOLD, S.FREE)]
+
+    def _release_farthest(self, idle: List[Chunk]):
+        victim = max(idle, key=lambda c: self.forecast.next_use(c.index))
+        idle.remove(victim)
+        self.release(victim)
+
+    def _evict_idle(self, nbytes: int) -> bool:
+        """The ledger's first evictor: release the idle chunk used farthest in the future."""
+        idle = self._idle()
+        if not idle:
+            return False
+        self._release_farthest(idle)
+        return True
+
+    def release_idle(self):
+        for chunk in self._idle():
+            self.release(chunk)
 
     def release(self, chunk: Chunk):
         """Drop the gathered buffer (still accounted while it serves as the gradient buffer)."""
@@ -199,19 +247,24 @@ class ChunkManager:
         """Gather; FREE/HOLD tensors to COMPUTE (a forward recomputed inside backward, under
         activation checkpointing, finds its tensors already COMPUTE)."""
         for chunk in self.chunks_of(params):
+            self._use(chunk)
             self.access(chunk)
             chunk.move([p for p in params if self.chunk_of.get(id(p)) is chunk
                         and chunk.state(p) is not S.COMPUTE], S.COMPUTE)
 
     def post_forward(self, params):
+        """COMPUTE -> HOLD; a chunk whose tensors all hold stays gathered, idle (module
+        docstring), or is released at once with ``keep_gathered=0``."""
         for chunk in self.chunks_of(params):
             chunk.move([p for p in params if self.chunk_of.get(id(p)) is chunk], S.HOLD)
-            if chunk.all_in(S.HOLD):
+            if chunk.all_in(S.HOLD) and not self.keep_gathered:
                 self.release(chunk)
 
     # ------------------------------------------------------------------ backward
     def pre_backward(self, params):
+        self._backward_seen = True
         for chunk in self.chunks_of(params):
+            self._use(chunk)
             self.access(chunk)
             mine = [p for p in params if self.chunk_of.get(id(p)) is chunk
                     and chunk.state(p) is S.HOLD]
@@ -222,7 +275,10 @@ class ChunkManager:
         gradient that arrives without its module's pre-backward (e.g. an output the module
         hooks cannot see) finds its chunk released; gather it (the other tensors' weights
         are then valid for their own backward) so the gradient can land."""
-        self.access(self.chunk_of[id(param)])
+        self._backward_seen = True
+        chunk = self.chunk_of[id(param)]
+        self._use(chunk)
+        self.access(chunk)
 
     @torch.no_grad()
     def on_grad(self, param: torch.nn.Parameter):
@@ -279,13 +335,18 @@ class ChunkManager:
         for chunk, pending in self._pending:
             self._finish(chunk, pending)
         self._pending = []
+        self.release_idle()   # the optimizer may change the masters next
 
     def begin_pass(self):
-        """Before a forward: finish the previous pass's reductions, tensors back to FREE."""
+        """Before a forward: finish the previous pass's reductions, tensors back to FREE;
+        the finished pass's chunk uses become the forecast if it ran a backward."""
         self.flush()
         for chunk in self.chunks:
             self.release(chunk)
             chunk.move(chunk.params, S.FREE)
+        if self._backward_seen:
+            self.forecast.set_order(self._uses)
+        self._uses, self._backward_seen = [], False
 
     def begin_backward(self):
         """Pipeline: before the backward of one micro-batch (others' forwards ran since its

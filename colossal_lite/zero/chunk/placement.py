@@ -30,9 +30,11 @@ CPU-homed chunk on the device from then on (``on_device``), accounted like ``dev
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+
+from .forecast import Forecast
 
 
 class DeviceBudgetExceeded(RuntimeError):
@@ -47,13 +49,15 @@ class DeviceLedger:
         self.used = self.peak = 0
         self.moved_h2d = self.moved_d2h = 0
         self.checks = 0            # allocations checked against the limit
-        self.evictor = None        # callable(nbytes) -> bool, set by a policy that can evict
+        # callables(nbytes) -> bool (freed something), asked in order before an allocation
+        # would pass the limit: gathered chunks kept idle first, then a policy's cache
+        self.evictors: List[Callable[[int], bool]] = []
 
     def alloc(self, nbytes: int, what: str):
         if self.limit is not None and self.used + nbytes > self.limit:
-            while self.evictor is not None and self.used + nbytes > self.limit:
-                if not self.evictor(self.used + nbytes - self.limit):
-                    break
+            for evict in self.evictors:
+                while self.used + nbytes > self.limit and evict(self.used + nbytes - self.limit):
+                    pass
             if self.used + nbytes > self.limit:
                 raise DeviceBudgetExceeded(
                     f'zero.device_memory_limit = {self.limit} bytes cannot hold {what} '
@@ -179,14 +183,11 @@ class AutoPlacement(Placement):
     def __init__(self, chunks, ledger, device):
         super().__init__(chunks, ledger, device)
         self.cache: Dict[int, torch.Tensor] = {}
-        self.order: List[int] = []          # chunk access order of one step (from the tracer)
-        self.cursor = 0
-        self.last_use: Dict[int, int] = {}
-        self.clock = 0
+        self.forecast = Forecast()          # the gather order of the traced warm-up step
         self.non_model_bytes = 0            # traced; kept free of model data
         self.hits = self.misses = self.prefetches = self.evictions = 0
         self.pinned: set = set()            # chunks being gathered right now
-        ledger.evictor = self._evict
+        ledger.evictors.append(self._evict)
 
     def homed_on_device(self, chunk) -> bool:
         return False
@@ -206,18 +207,15 @@ class AutoPlacement(Placement):
         for index in list(self.cache):
             self._drop(index)
         super().reset(chunks)
-        self.last_use.clear()
-        self.clock = 0
+        self.forecast.clear()
         self.set_trace([], 0)   # the next warm-up step traces the new chunks
 
     def set_trace(self, order: Sequence[int], non_model_bytes: int):
-        self.order, self.non_model_bytes = list(order), int(non_model_bytes)
-        self.cursor = 0
+        self.forecast.set_order(order)
+        self.non_model_bytes = int(non_model_bytes)
 
     def shard_for_gather(self, chunk) -> torch.Tensor:
-        self.clock += 1
-        self.last_use[chunk.index] = self.clock
-        self._advance(chunk.index)
+        self.forecast.use(chunk.index)
         if self.on_device(chunk):   # promoted: the master itself (or its cast copy)
             return Placement.shard_for_gather(self, chunk)
         if chunk.index in self.cache:
@@ -254,35 +252,18 @@ class AutoPlacement(Placement):
         del self.cache[index]
         self.ledger.free(self.chunks[index].payload_bytes)
 
-    def _next_use(self, index: int) -> float:
-        """Accesses until ``index`` is used again (Belady); least recently used before the
-        warm-up trace exists."""
-        if not self.order:
-            return -self.last_use.get(index, 0)
-        n = len(self.order)
-        for step in range(n):
-            if self.order[(self.cursor + step) % n] == index:
-                return step
-        return math.inf
-
-    def _advance(self, index: int):
-        """Move the cursor past the next occurrence of ``index`` in the traced order."""
-        step = self._next_use(index) if self.order else math.inf
-        if step != math.inf:
-            self.cursor = (self.cursor + step + 1) % len(self.order)
-
     def _evict(self, nbytes: int, keep: int = -1) -> bool:
         candidates = [i for i in self.cache if i != keep and i not in self.pinned]
         if not candidates:
             return False
-        self._drop(max(candidates, key=self._next_use))
+        self._drop(max(candidates, key=self.forecast.next_use))
         self.evictions += 1
         return True
 
     def _prefetch(self):
-        if not self.order:
+        nxt = self.forecast.upcoming()
+        if nxt is None:
             return
-        nxt = self.order[self.cursor % len(self.order)]
         if nxt not in self.cache and self._load(self.chunks[nxt], evict=False):
             self.prefetches += 1
 
