@@ -341,6 +341,7 @@ BAD = [  # (section, substrings the message must hold: the key and the value)
     (dict(stage=3, keep_gathered=-1), ["'zero.keep_gathered' must be an integer >= 0, got -1"]),
     (dict(stage=3, keep_gathered=1.5), ["'zero.keep_gathered' must be an integer >= 0, got 1.5"]),
     (dict(stage=2, keep_gathered=1), ["applies only to stage 3"]),
+    (dict(stage=3, prefetch=True), ["'zero.prefetch' must be an integer >= 0, got True"]),
     (dict(stage=2, bucket=4), ["unknown config key 'zero.bucket'; did you mean 'bucket_mb'"]),
     ([('stage', 2)], ["'zero' must be a dict", "[('stage', 2)]"]),
 ]

@@ -480,29 +480,36 @@ def test_auto_under_a_budget_below_the_model_data(serial, share):
     assert (auto['evictions'] > 0) == (share == 0.5), auto
 
 
-def _gathers_worker(rank, init, keep):
-    """The chunk gathers of the last of 5 steps (after the warm-up trace and re-packing)."""
-    engine = _engine(init, dict(stage=3, chunk_size_mb=CHUNK_MB, keep_gathered=keep))
+def _gathers_worker(rank, init, keep, prefetch=1):
+    """The chunk gathers of the last of 5 steps (after the warm-up trace and re-packing):
+    in order of use, and as launched (index, started ahead of use)."""
+    engine = _engine(init, dict(stage=3, chunk_size_mb=CHUNK_MB, keep_gathered=keep,
+                                prefetch=prefetch))
     manager = engine.optimizer.manager
-    gathered, peaks = [], []
-    access = manager.access
+    gathered, launched, peaks = [], [], []
+    access, launch = manager.access, manager._launch
 
-    def logged(chunk):
+    def logged_access(chunk):
         if chunk.full is None:
             gathered.append(chunk.index)
         access(chunk)
-    manager.access = logged
+
+    def logged_launch(chunk, async_op):
+        launched.append((chunk.index, async_op))
+        return launch(chunk, async_op)
+    manager.access, manager._launch = logged_access, logged_launch
 
     def step(engine, batch):
         gathered.clear()
+        launched.clear()
         out = _step(engine, batch)
         peaks.append(manager.ledger.peak)
         return out
     trace = training_trace(engine, global_batch(), steps=STEPS, step_fn=step)
     wte = engine.model.wte.weight
-    return {'trace': trace, 'gathered': list(gathered), 'chunks': len(manager.chunks),
-            'tied_chunk': manager.chunk_of[id(wte)].index, 'peak': peaks[-1],
-            'full_bytes': max(c.full_bytes for c in manager.chunks)}
+    return {'trace': trace, 'gathered': list(gathered), 'launched': list(launched),
+            'chunks': len(manager.chunks), 'tied_chunk': manager.chunk_of[id(wte)].index,
+            'peak': peaks[-1], 'full_bytes': max(c.full_bytes for c in manager.chunks)}
 
 
 def test_keep_gathered_spares_the_re_gathers_of_chunks_used_again_soon(serial):
@@ -514,7 +521,7 @@ def test_keep_gathered_spares_the_re_gathers_of_chunks_used_again_soon(serial):
     n-1 stay gathered into backward: 3 gathers fewer, the accounted peak no higher. Both
     equal the serial run."""
     init, traces, _ = serial
-    runs = {keep: run_distributed(_gathers_worker, 2, {}, init, keep, timeout=TIMEOUT)
+    runs = {keep: run_distributed(_gathers_worker, 2, {}, init, keep, 0, timeout=TIMEOUT)
             for keep in (0, 1)}
     for keep, per_rank in runs.items():
         assert_matches_serial([r['trace'] for r in per_rank], _first(traces['plain']))
@@ -525,6 +532,27 @@ def test_keep_gathered_spares_the_re_gathers_of_chunks_used_again_soon(serial):
     assert eager['gathered'] == forward + [0, 0] + list(range(n - 1, 0, -1)), eager
     assert kept['gathered'] == forward + list(range(n - 2, 0, -1)), kept
     assert kept['peak'] <= eager['peak'], (eager, kept)
+
+
+def test_prefetch_starts_the_next_gathers_ahead_without_extra_ones(serial):
+    """zero.prefetch=1 (the default) starts the all_gather of the next chunk the previous
+    step used while the current one computes: every forward gather after the first is
+    launched ahead; a step gathers exactly the chunks it gathers without prefetching (none
+    wasted, each landed before use), equals the serial run, and its accounted peak grows by
+    at most the one chunk in flight."""
+    init, traces, _ = serial
+    runs = {pf: run_distributed(_gathers_worker, 2, {}, init, 1, pf, timeout=TIMEOUT)
+            for pf in (0, 1)}
+    for per_rank in runs.values():
+        assert_matches_serial([r['trace'] for r in per_rank], _first(traces['plain']))
+    plain, ahead = runs[0][0], runs[1][0]
+    n = ahead['chunks']
+    assert not any(a for _, a in plain['launched']), plain
+    assert ahead['launched'][:n] == [(0, False)] + [(i, True) for i in range(1, n)], ahead
+    assert sorted(i for i, _ in ahead['launched']) == sorted(plain['gathered']), (plain, ahead)
+    assert sorted(ahead['gathered']) == sorted(plain['gathered']), (plain, ahead)
+    assert sum(a for _, a in ahead['launched']) >= len(ahead['launched']) - 2, ahead
+    assert ahead['peak'] <= plain['peak'] + ahead['full_bytes'], (plain, ahead)
 
 
 ADAPTIVE_LIMIT = 580_000   # leaves ~150 kB of margin after the warm-up: 3 of 6 chunks move

@@ -18,7 +18,9 @@
   Colossal-AI's adaptive HybridAdam; not with placement 'device', which homes them all
   there already), ``keep_gathered`` (int >= 0, default 1: gathered chunks whose tensors
   all hold stay gathered, up to this many beyond the ones in use, released farthest next
-  use first; 0 releases each chunk as soon as its tensors hold).
+  use first; 0 releases each chunk as soon as its tensors hold), ``prefetch`` (int >= 0,
+  default 1: all_gathers started ahead of use, for the next chunks the previous pass used
+  that are not gathered; 0 gathers each chunk when it is needed).
 
 A key of the other family of stages is an error (it would silently do nothing).
 Every bad value raises :class:`~colossal_lite.config.ConfigError` naming the key and
@@ -36,7 +38,7 @@ STAGES = (1, 2, 3)
 PLACEMENTS = ('device', 'cpu', 'static', 'auto')
 LOW_LEVEL_KEYS = ('bucket_mb', 'overlap', 'offload_optimizer')
 CHUNK_KEYS = ('placement', 'device_memory_limit', 'chunk_size_mb', 'device_fraction',
-              'device_margin_ratio', 'keep_gathered')
+              'device_margin_ratio', 'keep_gathered', 'prefetch')
 KEYS = ('stage',) + LOW_LEVEL_KEYS + CHUNK_KEYS
 
 
@@ -52,6 +54,7 @@ class ZeroSettings:
     device_fraction: float = 1.0
     device_margin_ratio: float = 0.0
     keep_gathered: int = 1
+    prefetch: int = 1
 
     @property
     def bucket_bytes(self) -> int:
@@ -73,6 +76,13 @@ def _positive(section: Mapping, key: str, default, allow_none: bool = False):
         raise ConfigError(f"'zero.{key}' must be a positive finite number"
                           f"{' or None' if allow_none else ''}, got {value!r}")
     return float(value)
+
+
+def _count(section: Mapping, key: str, default: int) -> int:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ConfigError(f"'zero.{key}' must be an integer >= 0, got {value!r}")
+    return int(value)
 
 
 def _stage(section: Mapping) -> int:
@@ -122,10 +132,8 @@ def parse_zero(section: Optional[Mapping]) -> Optional[ZeroSettings]:
     if ratio and placement == 'device':
         raise ConfigError(f"'zero.device_margin_ratio' = {ratio!r} moves CPU master shards to "
                           f"the device, but placement 'device' has none on the CPU")
-    keep = section.get('keep_gathered', 1)
-    if isinstance(keep, bool) or not isinstance(keep, numbers.Integral) or keep < 0:
-        raise ConfigError(f"'zero.keep_gathered' must be an integer >= 0, got {keep!r}")
-    return ZeroSettings(stage=3, placement=placement, keep_gathered=int(keep),
+    counts = {key: _count(section, key, 1) for key in ('keep_gathered', 'prefetch')}
+    return ZeroSettings(stage=3, placement=placement, **counts,
                         device_memory_limit=_positive(section, 'device_memory_limit', None, True),
                         chunk_size_mb=_positive(section, 'chunk_size_mb', None, True),
                         device_fraction=float(fraction), device_margin_ratio=float(ratio))

@@ -46,8 +46,12 @@ class Forecast:
         self.last_use[index] = self.clock
         if self.order:
             step = self.next_use(index)
-            if step != math.inf:
-                self.cursor = (self.cursor + step + 1) % len(self.order)
+            if step != math.inf:   # 1..len: len means the recorded pass is over
+                self.cursor = (self.cursor + step) % len(self.order) + 1
+
+    def ahead(self) -> List[int]:
+        """The rest of the recorded pass after the cursor (no wrap-around)."""
+        return self.order[self.cursor:]
 
     def upcoming(self) -> Optional[int]:
         """The chunk the order expects next (None without an order)."""

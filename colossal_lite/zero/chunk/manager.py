@@ -103,7 +103,8 @@ class ChunkManager:
         self._pending: List[Tuple[Chunk, 'C.Pending']] = []
         self.access_log: Optional[List[int]] = None   # set by the tracer during warm-up
         self.gathers = 0
-        self.keep_gathered = settings.keep_gathered
+        self.keep_gathered, self.prefetch = settings.keep_gathered, settings.prefetch
+        self._inflight: Dict[int, tuple] = {}   # chunk index -> (shard, pending all_gather)
         self.forecast = Forecast()          # chunk uses of the last pass with a backward
         self._uses: List[int] = []          # this pass's chunk uses (repeats collapsed)
         self._backward_seen = False
@@ -184,9 +185,18 @@ class ChunkManager:
 
     @torch.no_grad()
     def access(self, chunk: Chunk):
-        """Gather ``chunk`` (no-op when gathered): the parameters become views into it."""
+        """Gather ``chunk`` (no-op when gathered; waits for it when prefetched): the
+        parameters become views into it."""
         if chunk.full is not None:
             return
+        if chunk.index in self._inflight:
+            self._land(chunk)
+            return
+        self._land(chunk, *self._launch(chunk, async_op=False))
+
+    def _launch(self, chunk: Chunk, async_op: bool):
+        """Start ``chunk``'s all_gather (idle chunks beyond ``keep_gathered`` released
+        first); the shard stays pinned in the policy's cache until :meth:`_land`."""
         if self.access_log is not None:
             self.access_log.append(chunk.index)
         idle = self._idle()
@@ -197,14 +207,54 @@ class ChunkManager:
         try:
             shard = self.policy.shard_for_gather(chunk)
             self.ledger.alloc(chunk.full_bytes, f'gathered chunk {chunk.index}')
-            full = C.all_gather(shard, chunk.axis)
-            if full is shard:  # a one-rank group hands its input back
-                full = shard.clone()
-            self.policy.after_gather(chunk)
-        finally:
+            out = C.all_gather(shard, chunk.axis, async_op=async_op)
+        except BaseException:
             pinned.discard(chunk.index)
-        chunk.attach(full)
+            raise
+        if async_op:
+            self._inflight[chunk.index] = (shard, out)
+        return shard, out
+
+    def _land(self, chunk: Chunk, shard=None, out=None):
+        if out is None:   # prefetched: wait for it
+            shard, pending = self._inflight.pop(chunk.index)
+            out = pending.wait()
+        if out is shard:  # a one-rank group hands its input back
+            out = shard.clone()
+        self.policy.after_gather(chunk)
+        getattr(self.policy, 'pinned', set()).discard(chunk.index)
+        chunk.attach(out)
         self.gathers += 1
+
+    def _prefetch(self):
+        """Start the all_gather of the next chunks this pass will use that are neither
+        gathered nor on their way (at most ``zero.prefetch`` in flight), from the forecast;
+        within the pass only (the optimizer step changes the weights), and only where the
+        device budget holds them without evicting anything but idle chunks."""
+        if not self.prefetch:
+            return
+        for index in self.forecast.ahead():
+            if len(self._inflight) >= self.prefetch:
+                return
+            chunk = self.chunks[index]
+            if chunk.full is not None or index in self._inflight:
+                continue
+            if not self._fits(chunk):
+                return
+            self._launch(chunk, async_op=True)
+
+    def _fits(self, chunk: Chunk) -> bool:
+        if self.ledger.limit is None:
+            return True
+        idle = sorted(self._idle(), key=lambda c: self.forecast.next_use(c.index))
+        spare = sum(c.full_bytes for c in idle[self.keep_gathered:])
+        copy = 0 if self.policy.on_device(chunk) else chunk.payload_bytes
+        return self.ledger.used - spare + chunk.full_bytes + copy <= self.ledger.limit
+
+    def drain(self):
+        """Land every prefetched gather (a pass ended before using it)."""
+        for index in list(self._inflight):
+            self._land(self.chunks[index])
 
     def _use(self, chunk: Chunk):
         if not self._uses or self._uses[-1] != chunk.index:
@@ -230,6 +280,7 @@ class ChunkManager:
         return True
 
     def release_idle(self):
+        self.drain()
         for chunk in self._idle():
             self.release(chunk)
 
@@ -251,6 +302,7 @@ class ChunkManager:
             self.access(chunk)
             chunk.move([p for p in params if self.chunk_of.get(id(p)) is chunk
                         and chunk.state(p) is not S.COMPUTE], S.COMPUTE)
+        self._prefetch()
 
     def post_forward(self, params):
         """COMPUTE -> HOLD; a chunk whose tensors all hold stays gathered, idle (module
@@ -269,6 +321,7 @@ class ChunkManager:
             mine = [p for p in params if self.chunk_of.get(id(p)) is chunk
                     and chunk.state(p) is S.HOLD]
             chunk.move(mine, S.COMPUTE)
+        self._prefetch()
 
     def before_grad(self, param: torch.nn.Parameter):
         """A tensor hook on ``param`` (runs before autograd accumulates its gradient): a
@@ -279,6 +332,7 @@ class ChunkManager:
         chunk = self.chunk_of[id(param)]
         self._use(chunk)
         self.access(chunk)
+        self._prefetch()
 
     @torch.no_grad()
     def on_grad(self, param: torch.nn.Parameter):
@@ -362,10 +416,12 @@ class ChunkManager:
             self.access(chunk)
 
     def release_all(self):
+        self.drain()
         for chunk in self.chunks:
             self.release(chunk)
 
     def discard(self):
+        self.drain()
         for _, pending in self._pending:
             pending.wait()
         self._pending = []
