@@ -26,7 +26,9 @@ class SelfAttention(nn.Module):
     """Multi-head self-attention: q, k, v projections open a parallel region, out closes it.
 
     ``query``, ``key``, ``value`` are three Linears (their own state-dict keys and seeded
-    weights); ``col_nn.project_qkv`` runs them as one fused, head-aligned matmul."""
+    weights); ``col_nn.project_qkv`` runs them as one fused, head-aligned matmul, over a
+    view of their local weights, which lie back to back in one storage
+    (``col_nn.place_qkv_adjacent``)."""
 
     def __init__(self, hidden: int, heads: int, dropout: float, causal: bool, init_std: float):
         super().__init__()
@@ -36,6 +38,7 @@ class SelfAttention(nn.Module):
         self.query = col_nn.Linear(hidden, hidden, **kw)
         self.key = col_nn.Linear(hidden, hidden, **kw)
         self.value = col_nn.Linear(hidden, hidden, **kw)
+        col_nn.place_qkv_adjacent(self.query, self.key, self.value)
         self.core = col_nn.AttentionCore(hidden // heads, causal=causal, dropout=dropout,
                                          num_heads=heads)
         self.dense = col_nn.Linear(hidden, hidden, region='exit', weight_init=normal_init(init_std),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..tensor.adjacent import place_adjacent
 from .registry import current_mode, implementation
 
 
@@ -88,6 +89,17 @@ def project_qkv(x, query, key, value):
     layers' own, so state-dict keys and initial weights do not change.
     """
     return implementation('qkv')(x, query, key, value)
+
+
+def place_qkv_adjacent(query, key, value):
+    """Lay the three layers' local weights (and biases) back to back in one storage each,
+    q then k then v, so :func:`project_qkv` joins them as a view instead of a copy
+    (``colossal_lite.tensor.adjacent``). On layers built on meta this happens when they
+    are materialized. Values, parameter objects and state-dict keys are unchanged."""
+    layers = (query, key, value)
+    place_adjacent([layer.weight for layer in layers])
+    if all(layer.bias is not None for layer in layers):
+        place_adjacent([layer.bias for layer in layers])
 
 
 def CrossEntropyLoss(ignore_index: int = -100, reduction: str = 'mean',

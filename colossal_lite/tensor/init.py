@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..context import ParallelMode, current_context
+from .adjacent import ADJACENT_ATTR, place_tagged
 from .placement import AxisOrMode, Placement, param_placement, placement_of, set_placement
 
 Init = Callable[[torch.Tensor, Optional[torch.Generator]], object]
@@ -120,7 +121,8 @@ def materialize(module: nn.Module, seed: Optional[int] = None,
 
     Tied parameters are drawn once, under their first name (as ``named_parameters``
     lists them). A plain torch submodule built on meta is reset with its own
-    ``reset_parameters`` under a generator seeded by its name. Returns ``module``.
+    ``reset_parameters`` under a generator seeded by its name. Parameters tagged by
+    ``adjacent.place_adjacent`` are then laid back to back. Returns ``module``.
     """
     seed = torch.initial_seed() if seed is None else int(seed)
     device = device or current_context().device
@@ -141,9 +143,12 @@ def materialize(module: nn.Module, seed: Optional[int] = None,
         new = nn.Parameter(local, requires_grad=param.requires_grad)
         del full
         setattr(new, INIT_ATTR, init)
+        if hasattr(param, ADJACENT_ATTR):
+            setattr(new, ADJACENT_ATTR, getattr(param, ADJACENT_ATTR))
         set_placement(new, placement)
         _replace_parameter(module, param, new)
     _reset_plain_modules(module, seed, device)
+    place_tagged(module)
     return module
 
 

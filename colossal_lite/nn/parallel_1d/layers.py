@@ -21,8 +21,9 @@ from ...communication import gather_from, reduce_from, split_to
 from ...communication.collective import check_divisible
 from ...context import ParallelMode, ProcessGroupAxis, current_context, seed
 from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
+from ...tensor.adjacent import join_rows
 from ..functional import check_ids, vocab_range_lookup
-from .overlap import column_matmul
+from .overlap import column_matmul, column_matmul_rows
 
 def default_axis() -> ProcessGroupAxis:
     """PARALLEL_1D when the current context's mode is 1D, else a one-rank group (serial)."""
@@ -130,7 +131,8 @@ def qkv_1d(x, query: ColumnLinear1D, key: ColumnLinear1D, value: ColumnLinear1D)
     check_qkv_layers(layers, ColumnLinear1D, lambda layer: not layer.gather_output
                      and layer.axis.group is query.axis.group, "'enter' (gather_output=False) "
                      'over one axis')
-    return fused_projection(x, layers, lambda w, b: column_matmul(x, w, b, query.axis))
+    return fused_projection(x, layers, lambda w, b: column_matmul_rows(x, w, b, query.axis),
+                            blocks=True)
 
 
 def check_qkv_layers(layers, cls: type, same: Callable, what: str):
@@ -145,19 +147,23 @@ def check_qkv_layers(layers, cls: type, same: Callable, what: str):
                              f"{getattr(layer, 'in_features', None)})")
 
 
-def fused_projection(x, layers, project: Callable, split: Optional[Callable] = None) -> tuple:
+def fused_projection(x, layers, project: Callable, split: Optional[Callable] = None,
+                     blocks: bool = False) -> tuple:
     """``layers``' outputs on ``x`` from one ``project(cat(weights), cat(biases) or None)``
     (the local weights concatenated along their output rows), cut back into one output per
     layer by ``split(y)`` (default: views of the local rows' widths); the layers' forward
-    hooks fire around it (:func:`as_called`)."""
+    hooks fire around it (:func:`as_called`). The concatenation is a view, not a copy,
+    when the weights (biases) lie back to back in one storage (``tensor.adjacent``;
+    ``col_nn.place_qkv_adjacent`` lays them so). ``blocks=True``: ``project`` takes the
+    lists of weights and biases (or None) and joins them itself."""
     if len({layer.bias is None for layer in layers}) > 1:
         raise ValueError('a fused projection needs a bias in every layer or in none: '
                          f'{[layer.bias is not None for layer in layers]}')
 
     def fused():
-        weight = torch.cat([layer.weight for layer in layers])
-        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-        y = project(weight, bias)
+        weights = [layer.weight for layer in layers]
+        biases = None if layers[0].bias is None else [layer.bias for layer in layers]
+        y = project(weights, biases) if blocks else project(*join_rows(weights, biases))
         if split is not None:
             return split(y)
         return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
