@@ -7,10 +7,12 @@
    data, pipeline (1F1B, GPipe, zero bubble) -- runs the real engine (``initialize`` +
    ``execute_schedule`` + ``step``, AdamW) on 4 forked gloo ranks. Per rank and step:
    wall and CPU (``time.process_time``) seconds; memory as the planner defines it
-   (docs/planner.md): ``zero_grad``, then ``reset_peak``, then
-   ``measured peak = live tensor bytes at the step's start + peak RSS growth of the step``
-   (model data + gradients + activations + transients, without the torch runtime); and the
-   live tensor bytes after the step (model data, compared exactly).
+   (docs/planner.md): ``measured peak = live tensor bytes after zero_grad + the peak of the
+   bytes the allocator hands out during a step`` (``testing.memory.peak_allocated``, the
+   floor of four recorded steps; model data + gradients + activations + transients,
+   without the torch runtime), next to the former ``live bytes + peak RSS growth``
+   (``measured_peak_rss_bytes``: adds allocator slack and gloo's buffers); and the live
+   tensor bytes after the step (model data, compared exactly).
    Layouts are measured in ``ROUNDS`` rounds (every layout once per round, the order
    reversed every other round; 1 by default to stay within ~15 minutes); the step time of
    a layout is the median over rounds of (median over steps of the slowest rank). A layout
@@ -20,10 +22,12 @@
    layouts that fit, the planner's pick (fastest predicted that fits) against the best
    measured that fits.
 
-Run: ``PYTHONPATH=. python benchmarks/planner_accuracy.py [--quick]`` ->
+Run: ``PYTHONPATH=. python benchmarks/planner_accuracy.py [--quick | --memory-only]`` ->
 benchmarks/results/planner_accuracy.json (written after every run: measurements and
 profile) and .png; ``--reanalyse [--reprofile]`` recomputes the predictions from the stored
-measurements (with a freshly measured profile).
+measurements (with a freshly measured profile). ``--memory-only`` (≈ 7 min): every model
+and layout, memory only (one warm-up, no timed steps) -> results/planner_accuracy_memory.json;
+with ``--reanalyse``: its stored measurements against the current cost model.
 """
 from __future__ import annotations
 
@@ -87,7 +91,9 @@ def _batch(kind, opts, seq, per_replica, seed):
 
 
 def _worker(rank, kind, opts, seq, batch, steps, warmup):
-    """One layout on this rank: per step wall and CPU seconds, memory (module doc)."""
+    """One layout on this rank: per step wall and CPU seconds, memory (module doc). With
+    ``steps`` = 0 only the memory: the allocator's peak (``alloc_growth``) and the live
+    bytes at a step's start."""
     torch.set_num_threads(1)
     import colossal_lite as clt
     from benchmarks._memory import live_tensor_bytes, peak_rss, reset_peak, rss_bytes
@@ -95,6 +101,7 @@ def _worker(rank, kind, opts, seq, batch, steps, warmup):
     from colossal_lite.context import ParallelMode, global_context as gpc
     from colossal_lite.models import get_model
     from colossal_lite.testing import engine_step
+    from colossal_lite.testing.memory import peak_allocated
     entry = get_model(kind)
     data = gpc.get_world_size(ParallelMode.DATA)
     x, y = _batch(kind, opts, seq, batch // data, gpc.get_local_rank(ParallelMode.DATA))
@@ -117,7 +124,17 @@ def _worker(rank, kind, opts, seq, batch, steps, warmup):
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         growth.append(peak_rss() - before)
-    return dict(wall=wall, cpu=cpu, start_data=max(start_data), growth=statistics.median(growth),
+    # the allocator's record: the first recorded step frees buffers made before the record
+    # (not seen), so steps 2-5 count; their floor (an async collective whose buffers gloo's
+    # thread releases late keeps them past the peak, which is timing, not layout)
+    def step():
+        engine_step(engine, (x, y))
+    engine.zero_grad()
+    start_data.append(live_tensor_bytes() - base)
+    peaks = peak_allocated([step] + [engine.zero_grad, step] * 4)
+    return dict(wall=wall, cpu=cpu, start_data=max(start_data),
+                growth=statistics.median(growth) if growth else None,
+                alloc_growth=min(peaks[2::2]), alloc_growth_steps=peaks[2::2],
                 end_data=live_tensor_bytes() - base)
 
 
@@ -137,9 +154,10 @@ def run_config(cand, shape, batch):
     return {k: config[k] for k in ('parallel', 'num_microbatches', 'zero') if k in config}
 
 
-def sweep(profile, models, rounds, checkpoint=None):
+def sweep(profile, models, rounds, checkpoint=None, steps=STEPS):
     """Measure every (model, layout) ``rounds`` times, alternated: raw measurements (a
-    layout the runtime fails on keeps its error); ``checkpoint(raw)`` after each run."""
+    layout the runtime fails on keeps its error); ``checkpoint(raw)`` after each run;
+    ``steps`` = 0: memory only."""
     jobs = []
     for key in models:
         opts, seq, batch = MODELS[key]
@@ -155,15 +173,18 @@ def sweep(profile, models, rounds, checkpoint=None):
             o = dict(opts, checkpoint=True) if cand.checkpoint else opts
             try:
                 per_rank = run_distributed(_worker, WORLD, run_config(cand, shape, batch),
-                                           key[0], o, shape.seq, batch, STEPS, WARMUP,
+                                           key[0], o, shape.seq, batch, steps, WARMUP,
                                            timeout=600)
             except ChildFailed as exc:  # a runtime failure is a result, not the end
                 errors[i] = str(exc).strip().splitlines()[-1]
                 print(f'round {r} {key} {cand.describe()}: FAILED {errors[i]}', flush=True)
                 continue
             measured[i].append(per_rank)
-            slowest = statistics.median(max(s) for s in zip(*[p['wall'] for p in per_rank]))
-            print(f'round {r} {key} {cand.describe()}: {slowest * 1e3:.0f} ms', flush=True)
+            peak = max(p['start_data'] + p['alloc_growth'] for p in per_rank)
+            slowest = (statistics.median(max(s) for s in zip(*[p['wall'] for p in per_rank]))
+                       if steps else float('nan'))
+            print(f'round {r} {key} {cand.describe()}: {slowest * 1e3:.0f} ms, '
+                  f'peak {peak / 2 ** 20:.2f} MiB', flush=True)
             if checkpoint:
                 checkpoint(_raw(jobs, measured, errors))
     return _raw(jobs, measured, errors)
@@ -196,11 +217,16 @@ def predict(raw, profile):
         cand = Candidate(layout, **c)
         est = evaluate(shape, profile, cand, batch)
         runs = item['runs']
-        wall = [statistics.median(max(s) for s in zip(*[p['wall'] for p in run])) for run in runs]
-        cpu = [statistics.median(max(s) for s in zip(*[p['cpu'] for p in run])) for run in runs]
-        peak = [max(p['start_data'] + p['growth'] for p in run) for run in runs]
+        wall = [statistics.median(max(s) for s in zip(*[p['wall'] for p in run]))
+                for run in runs if run[0]['wall']] or [float('nan')]
+        cpu = [statistics.median(max(s) for s in zip(*[p['cpu'] for p in run]))
+               for run in runs if run[0]['cpu']] or [float('nan')]
+        rss = [max(p['start_data'] + p['growth'] for p in run) for run in runs
+               if run[0]['growth'] is not None]
+        peak = ([max(p['start_data'] + p['alloc_growth'] for p in run) for run in runs]
+                if 'alloc_growth' in runs[0][0] else rss)  # older records: RSS only
         data_end = [p['end_data'] for p in runs[0]]
-        steps = [max(s) for s in zip(*[p['wall'] for p in runs[0]])]
+        steps = [max(s) for s in zip(*[p['wall'] for p in runs[0]])] or [float('nan')]
         records.append(dict(step_spread=max(steps) / min(steps) - 1,
             model=key[0], size=key[1], layout=cand.describe(),
             predicted_step_s=est.step_time, measured_step_s=statistics.median(wall),
@@ -209,6 +235,11 @@ def predict(raw, profile):
             predicted_model_data_bytes=max(est.terms['model_data']),
             measured_model_data_bytes=max(data_end), model_data_per_rank=data_end,
             memory_error=est.peak_memory / statistics.median(peak) - 1,
+            measured_peak_rss_bytes=statistics.median(rss) if rss else None,
+            memory_error_rss=est.peak_memory / statistics.median(rss) - 1 if rss else None,
+            predicted_peak_per_stage=est.memory,
+            measured_peak_per_rank=[p['start_data'] + p.get('alloc_growth', p['growth'])
+                                    for p in runs[0]],
             model_data_error=max(est.terms['model_data']) / max(data_end) - 1))
     return records
 
@@ -249,7 +280,12 @@ def main():
                              "measurements (after a change to the cost model)")
     parser.add_argument('--reprofile', action='store_true',
                         help='with --reanalyse: measure a fresh profile for the predictions')
+    parser.add_argument('--memory-only', action='store_true',
+                        help='peak memory only (no timed steps, the stored profile): every '
+                             'model, results/planner_accuracy_memory.json')
     args = parser.parse_args()
+    if args.memory_only:
+        return memory_only(args.reanalyse)
     from colossal_lite.auto.cluster import ClusterProfile
     from colossal_lite.auto.profile import measure
     start = time.perf_counter()
@@ -304,6 +340,44 @@ def main():
                 if r['error']},
         environment=environment(), raw=raw, **extra))
     _plot(records)
+    print('wrote', path, f'in {time.perf_counter() - start:.0f} s')
+
+
+def memory_only(reanalyse: bool = False):
+    """Predicted vs measured peak memory of every model and layout (no timing): the stored
+    profile (memory does not depend on it), one warm-up step, the allocator's record;
+    ``reanalyse``: the stored measurements with the current cost model."""
+    from colossal_lite.auto.cluster import ClusterProfile
+    start = time.perf_counter()
+    results = os.path.join(os.path.dirname(__file__), 'results')
+    with open(os.path.join(results, 'planner_accuracy.json')) as f:
+        profile = ClusterProfile.from_json(json.load(f)['profile'])
+    if reanalyse:
+        with open(os.path.join(results, 'planner_accuracy_memory.json')) as f:
+            old = json.load(f)
+        raw, measured_s = old['raw'], old['measure_s']
+    else:
+        raw = sweep(profile, list(MODELS), 1, steps=0)
+        measured_s = time.perf_counter() - start
+    records = predict(raw, profile)
+    keep = ('model', 'size', 'layout', 'predicted_peak_bytes', 'measured_peak_bytes',
+            'memory_error', 'measured_peak_rss_bytes', 'memory_error_rss',
+            'predicted_peak_per_stage', 'measured_peak_per_rank', 'model_data_error')
+    rows = [['model', 'layout', 'pred MiB', 'meas MiB', 'mem err']]
+    for r in records:
+        rows.append([f"{r['model']}-{r['size']}", r['layout'],
+                     f"{r['predicted_peak_bytes'] / 2 ** 20:.2f}",
+                     f"{r['measured_peak_bytes'] / 2 ** 20:.2f}",
+                     f"{r['memory_error'] * 100:+.1f}%"])
+    print_table(rows)
+    path = write_json('planner_accuracy_memory', dict(
+        world=WORLD, warmup=WARMUP, measure_s=measured_s,
+        models={f'{k}-{s}': dict(options=o, seq=q, batch=b)
+                for (k, s), (o, q, b) in MODELS.items()},
+        results=[{k: r[k] for k in keep} for r in records],
+        failed={f"{r['model']}-{r['size']} {r['candidate']}": r['error'] for r in raw
+                if r['error']},
+        environment=environment(), raw=raw))
     print('wrote', path, f'in {time.perf_counter() - start:.0f} s')
 
 

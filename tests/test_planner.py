@@ -6,7 +6,8 @@
   ``formulas.block_bytes``, which equals the byte counter on a real block (1D, 2D);
 * memory: the activations a block saves (``block_values_per_token``) equal what autograd
   saves on real blocks (serial GPT/BERT, 1D, 2D, sequence); the model data after a step
-  equals the live tensor bytes of real runs (data, ZeRO-1/2/3, sequence, pipeline);
+  equals the live tensor bytes of real runs (data, ZeRO-1/2/3, sequence, pipeline, 1D,
+  2D); the peak's buffers: tests/test_planner_memory.py;
 * the per-layer DP equals exhaustive search on every small random case;
 * ``plan()`` returns a config that ``load_config`` and ``check_layout`` accept, and
   ``colossal-lite plan --write`` a file ``colossal-lite train`` loads;
@@ -238,14 +239,15 @@ def _model_data(rank, config_zero):
     Candidate(ParallelLayout(1, 1, None, 1, 4), 2, zero=2),
     Candidate(ParallelLayout(1, 1, None, 1, 4), 1, zero=3),
     Candidate(ParallelLayout(1, 2, 'sequence', 1, 2), 1),
-    Candidate(ParallelLayout(2, 1, None, 1, 2), 2, '1f1b')],
+    Candidate(ParallelLayout(2, 1, None, 1, 2), 2, '1f1b'),
+    Candidate(ParallelLayout(1, 4, '1d', 1, 1), 1),
+    Candidate(ParallelLayout(1, 2, '1d', 1, 2), 1),
+    Candidate(ParallelLayout(1, 4, '2d', 1, 1), 1)],
     ids=lambda c: c.describe().replace(' ', '_'))
 def test_model_data_equals_real_builds(cand):
     """The cost model's ``model_data`` (weights, gradients -- ZeRO: their shard -- and AdamW
-    moments live after a step) equals the live tensor bytes of a real run, on every rank.
-    Not in the list (docs/planner.md): 1D, whose weight shards are views that keep the full
-    tensor's storage alive, and 2D, which holds 448 values per rank more than the formula
-    on this model (not yet traced)."""
+    moments live after a step) equals the live tensor bytes of a real run, on every rank
+    (1D and 2D too: a drawn shard owns its memory, q/k/v share one storage)."""
     from colossal_lite.auto.planner import plan_config
     from colossal_lite.testing import run_distributed
     shape = model_shape('gpt', None, seq=16, **ACT_OPTS)

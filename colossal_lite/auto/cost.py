@@ -7,17 +7,15 @@ ZeRO stage; activation checkpointing of every block or none). :func:`evaluate` g
 the step time. Formulas (docs/planner.md has them with their sources):
 
 * parameters per rank: ``formulas.params`` summed over the stage's layers (``model_spec``);
-* memory = the step's peak of live model tensors, without the torch runtime
-  (docs/planner.md): model states at the peak (``OPTIMIZER_BYTES``, measured on this
-  runtime: gradients and the buffers they are reduced through included) + activations;
+* memory = the step's peak of live tensor bytes, without the torch runtime
+  (docs/planner.md): ``memory.rank_memory`` per pipeline rank, the states a step starts
+  from plus the larger of its two peaks -- at the last backward's start (activations of
+  the micro-batches in flight of the schedule: GPipe M, 1F1B P - r, zero bubble
+  min(M, P), interleaved (P-1-r)*2 + (V-1)*P + 1 chunk micro-batches; the loss head's
+  buffers; earlier gradients) or with the gradients complete (their reduction buffers),
+  each term a named buffer (``memory.py``, tested against the allocator's record);
   ``terms['model_data']`` the states live after a step (``MODEL_DATA_BYTES``, tested
-  equal to real runs);
-* activations: one block saves ``ModelShape.block_values_per_token`` per token for its share
-  of the micro-batch (counted on real blocks of every family); a checkpointed block keeps
-  only its input; while a block runs backward, the gradients of its activations (and,
-  checkpointed, the recomputed activations) are live too; times the micro-batches in
-  flight of the schedule (GPipe M, 1F1B and zero bubble P - r, interleaved
-  (P-1-r)*2 + (V-1)*P + 1 chunk micro-batches);
+  equal to real runs), ``terms['memory_buffers']`` the ``RankMemory`` of every rank;
 * compute: a block of a family and size the profile timed (``family_blocks``): its fitted
   ``overhead + seconds_per_flop * FLOPs``, collectives included; else block FLOPs / t /
   ``flops`` + the per-block overhead (backward 2x forward, a recompute 1x) and
@@ -38,20 +36,15 @@ from typing import List, Optional, Sequence, Tuple
 
 from .. import formulas
 from .cluster import ClusterProfile
+from .memory import RNG_STATE_BYTES, block_kept, mlp_gradient_bytes, rank_memory
 from .model_spec import ModelShape, layer_params
 
 OVERLAP_SLOWDOWN = 1.3
 _block_bytes = lru_cache(maxsize=65536)(formulas.block_bytes)
-# fp32 AdamW, bytes per local parameter as (whole, per 1/D shard), by ZeRO stage.
-# MODEL_DATA_BYTES: live after a step (weights, gradients -- ZeRO: the gradient shard --
-# and Adam moments; tested equal to real builds). OPTIMIZER_BYTES: at the step's peak,
-# measured on the runtime (docs/planner.md): without ZeRO the weights and moments (12),
-# the gradients (4) and, with D > 1, the flat all-reduce buffer (+4, ``DP_BUFFER``);
-# with ZeRO the weights (ZeRO-3: their shard), the moments' shards and three full
-# gradient-sized buffers (the gradients, the chunk copy, the reduce-scatter input).
+# fp32 AdamW, bytes per local parameter as (whole, per 1/D shard), by ZeRO stage, live
+# after a step (weights, gradients -- ZeRO: the gradient shard -- and Adam moments;
+# tested equal to real builds). The peak's buffers are ``memory.py``'s.
 MODEL_DATA_BYTES = {0: (16, 0), 1: (4, 16), 2: (4, 16), 3: (0, 16)}
-OPTIMIZER_BYTES = {0: (16, 0), 1: (16, 12), 2: (16, 12), 3: (12, 12)}
-DP_BUFFER = 4
 # (op, calls per block) of each family's tensor-parallel traffic (calls: latency terms)
 TENSOR_OPS = {'1d': ('all_reduce', 6), '2d': ('broadcast', 30), '2.5d': ('broadcast', 30),
               '3d': ('all_gather', 60), 'sequence': ('p2p', 6)}
@@ -173,19 +166,15 @@ def model_state_bytes(params: float, zero: int, data: int) -> float:
 
 def block_memory(shape: ModelShape, layout, micro: float, checkpoint: bool, elem: int = 4
                  ) -> Tuple[float, float]:
-    """(bytes one block keeps per in-flight micro-batch, transient bytes at its backward):
-    ``ModelShape.block_values_per_token`` for the layout's split (1D keeps its LayerNorm
-    parts replicated), and while one block runs backward, the gradients of its activations
-    (as large as they); checkpointed, the block input (split t ways unless 1D), and the
-    recomputed activations on top of their gradients."""
-    t = layout.tensor if layout.mode else 1
-    one_d = layout.mode == '1d'
-    tokens = micro * shape.seq
-    grid = layout.tensor_grid if layout.mode in ('2d', '2.5d', '3d') else 1
-    kept = tokens * shape.block_values_per_token(layout.mode, t, grid) * elem
-    if checkpoint:  # transient: the recomputed activations and their gradients
-        return tokens * shape.hidden * elem / (1 if one_d else t), 2 * kept
-    return kept, kept  # transient: the gradients of one block's activations in its backward
+    """(bytes one block keeps per in-flight micro-batch, transient bytes at its backward),
+    from ``memory.py``: the saved activations and causal mask (``block_kept``) and the
+    MLP's gradient transient; checkpointed, the block input (split t ways unless 1D) and
+    the saved RNG state, the transient the recomputed block's activations."""
+    kept = block_kept(shape, layout, micro, elem)
+    if checkpoint:
+        split = 1 if layout.mode in (None, '1d') else layout.tensor
+        return micro * shape.seq * shape.hidden * elem / split + RNG_STATE_BYTES, kept
+    return kept, mlp_gradient_bytes(shape, layout, micro, elem)
 
 
 def _tensor_time(cluster: ClusterProfile, layout, nbytes: float) -> float:
@@ -237,7 +226,7 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     tokens = micro * shape.seq
     ranges = ranges or stage_ranges(shape, p * v, cand.partition)
     block_params, first_params, last_params = part_params(shape, l, p * v > 1)
-    kept, transient = block_memory(shape, l, micro, cand.checkpoint, elem)
+    kept = block_kept(shape, l, micro, elem)
 
     f_head = shape.head_flops(micro) / t / cluster.flops
     comm_block = _block_bytes(l.mode, t, micro, shape.seq, shape.hidden,
@@ -247,13 +236,7 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     act_shard = tokens * shape.hidden * elem / (t if l.mode else 1)
     p2p = cluster.group_time('p2p', act_shard, d * t, 2) if p > 1 else 0.0
 
-    acts, fwd, bwd, params_rank = [], [], [], []
-    # the last part: two copies of the logits, and the final LayerNorm's input and output
-    # with its statistics (2h + 2 per token; split like a block's LayerNorm parts)
-    head_tokens = micro * (shape.seq if shape.kind != 'vit' else 1)
-    ln_split = 1 if l.mode in (None, '1d') else t
-    logits = (head_tokens * shape.outputs * 2 / t
-              + tokens * (2 * shape.hidden + 2) / ln_split) * elem
+    fwd, bwd, params_rank, rank_shapes = [], [], [], []
     f_one, b_one = f_block + c_block / 2, 2 * f_block + c_block / 2 + recompute
     parts = rank_parts(ranges, p, v)
     for rank, (n_blocks, n_stages, first, last) in enumerate(parts):
@@ -261,7 +244,8 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
         fwd.append(n_blocks * f_one + last * f_head + p2p * n_stages)
         bwd.append(n_blocks * b_one + last * 2 * f_head + p2p * n_stages)
         held = in_flight(cand.schedule, p, m, v, rank)
-        acts.append(held * n_blocks * kept + transient + last * logits)
+        rank_shapes.append(dict(blocks=n_blocks, held=held, last=bool(last),
+                                after_backward=m > held, schedule=cand.schedule, rank=rank))
     stage_time = [f + b for f, b in zip(fwd, bwd)]
     slow = max(stage_time)
     if p == 1:
@@ -281,10 +265,10 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     out = []
     for zero in zeros:
         this = cand if zero == cand.zero else replace(cand, zero=zero)
-        whole, sharded = OPTIMIZER_BYTES[zero]
-        reducers = d * t if l.mode == 'sequence' else d  # ranks a gradient is summed over
-        per_param = whole + sharded / d + (DP_BUFFER if zero == 0 and reducers > 1 else 0)
-        memory = [n * per_param + a for n, a in zip(params_rank, acts)]
+        buffers = [rank_memory(shape, l, params=n, micro=micro, microbatches=m, zero=zero,
+                               checkpoint=cand.checkpoint, elem=elem, **rs)
+                   for n, rs in zip(params_rank, rank_shapes)]
+        memory = [b.peak for b in buffers]
         data_whole, data_sharded = MODEL_DATA_BYTES[zero]
         model_data = [n * (data_whole + data_sharded / d) for n in params_rank]
         sync = _gradient_sync(cluster, l, this, max(params_rank), elem)
@@ -295,7 +279,7 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
         updated = max(params_rank) / (d if zero else 1)
         optimizer = float(cluster.compute.get('adam_s_per_param', 0.0)) * updated
         terms = dict(shared, gradient_sync=sync, exposed_sync=exposed, model_data=model_data,
-                     optimizer=optimizer)
+                     optimizer=optimizer, memory_buffers=buffers)
         out.append(Estimate(this, pipe + exposed + optimizer, memory, stage_time, terms))
     return out
 

@@ -184,7 +184,6 @@ def _checkpoint_dp(shape: ModelShape, cluster: ClusterProfile, cand: Candidate, 
     from .cost import in_flight
     l = cand.layout
     micro = batch / l.data / cand.microbatches
-    keep, _ = block_memory(shape, l, micro, False)
     keep_ck, transient = block_memory(shape, l, micro, True)
     plain = evaluate(shape, cluster, replace(cand, checkpoint=False), batch, ranges=ranges)
     recompute = cand.microbatches * (plain.terms['block_compute'] / 3
@@ -193,9 +192,13 @@ def _checkpoint_dp(shape: ModelShape, cluster: ClusterProfile, cand: Candidate, 
     for rank, blocks in enumerate(_rank_blocks(ranges, l.pipeline)):
         if plain.memory[rank] <= budget:
             continue
+        buffers = plain.terms['memory_buffers'][rank]   # memory.RankMemory
+        if not blocks or buffers.states + buffers.phase_b > budget:
+            return None   # its gradients' peak does not fit whatever is recomputed
         held = in_flight(cand.schedule, l.pipeline, cand.microbatches, cand.chunks, rank)
-        other = plain.memory[rank] - len(blocks) * held * keep   # without its activations
-        options = [[(0.0, held * keep), (recompute, held * keep_ck)]] * len(blocks)
+        keep = buffers.activations / len(blocks)       # one block's share of phase A
+        other = buffers.states + buffers.phase_a - buffers.activations
+        options = [[(0.0, keep), (recompute, held * keep_ck)]] * len(blocks)
         _, picks = dp_layers(options, max(0.0, budget - other - transient))
         if not picks:
             return None

@@ -55,10 +55,21 @@ def ring_exchange(tensor: torch.Tensor, axis: AxisLike, shift: int = 1,
     dst = ax.global_rank((ax.rank + shift) % ax.size)
     src = ax.global_rank((ax.rank - shift) % ax.size)
     works: List = [dist.isend(data, dst, group=ax.group), dist.irecv(incoming, src, group=ax.group)]
-
-    class _Both:
-        def wait(self):
-            for w in works:
-                w.wait()
-    pending = Pending(_Both(), lambda: incoming)
+    pending = Pending(_Works(works), lambda: incoming)
     return pending if async_op else pending.wait()
+
+
+class _Works:
+    """Several works finished as one. A module-level class: a class made per call sits in a
+    reference cycle, so its closure kept the sent and received buffers alive until the
+    next garbage collection (every ring step's blocks piled up over a backward)."""
+
+    def __init__(self, works: List):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)

@@ -1,0 +1,267 @@
+"""Peak memory of one training step on one rank: the named buffers live at each phase.
+
+The planner's memory is the peak of the bytes of live tensors during a step
+(docs/planner.md). A rank's live bytes rise through the forward passes, peak either
+when the last in-flight micro-batch starts its backward (**phase A**: every saved
+activation, the loss head's buffers) or when the gradients are complete and being
+reduced (**phase B**: gradients and the reduction's buffers); so
+
+    peak = states + max(A, B)
+
+with every term a buffer of the runtime (elem bytes per value; Ψ the rank's local
+parameters, D data ranks, t tensor ranks, n tokens of a replica micro-batch on this
+rank's sequence share, M micro-batches, L blocks on the rank, h hidden, s sequence,
+V the head's outputs per token):
+
+* ``states``: what a step starts from after ``zero_grad``: weights and AdamW moments,
+  ``12Ψ`` (none), ``4Ψ + 12Ψ/D`` (ZeRO-1/2: full weights, sharded fp32 master and
+  moments), ``12Ψ/D`` (ZeRO-3);
+* ``activations``: per block and in-flight micro-batch, what autograd saves
+  (``n · ModelShape.block_values_per_token``) plus GPT's causal mask ``s²`` and, under
+  ZeRO-3, the q/k/v weight and bias joined by a copy for the fused projection
+  ``3(h² + h)/t_w``; checkpointed, the block input ``n h`` (/t unless 1D) and the CPU RNG
+  state it saves; zero bubble: ``min(M, P) · kept + min(M, r + 1) · w_stash`` on rank r
+  (its state before its first W in the ZB-H1 order), ``w_stash`` the output gradients W
+  multiplies by, ``n ((3 + 2r) h / t + 2h)`` (none on the first stage, whose backward
+  waits whole for W);
+* ``head``: the largest transient at the start of a backward: on the last stage three
+  logits-sized buffers ``3 n V / t_v`` (the log-softmax -- vocab-parallel: the shifted
+  logits, exp and softmax -- and the two backward gradients) and the final LayerNorm's
+  input, output and statistics ``n (2h + 2)`` (BERT ``+ n (3h + 2)``: the MLM
+  transform's dense, GELU and LayerNorm outputs; /t outside none/1D/sequence; 2D/2.5D:
+  the classifier's SUMMA backward blocks); in a block's backward, the gradients of its
+  MLP hidden ``2 n r h`` (/t but for none; 2D/2.5D: fc1's SUMMA backward blocks);
+  pipelined, the received activation or gradient ``n h``; checkpointed, the recomputed
+  block with every later gradient when that is larger;
+* ``outputs``: the logits of every micro-batch, kept by the schedule for its return
+  value (not pipelined: a pipeline's last stage computes the loss in place);
+* ``gradients``: ``4Ψ`` (ZeRO-2 with M > 1 reduces each micro-batch: its accumulated
+  shard ``4Ψ/D`` instead), live in phase A when an earlier micro-batch's backward has
+  run (M > 1 without ZeRO-2, or a pipeline rank with more micro-batches than in flight);
+* ``gathered`` (ZeRO-3): the gathered chunks, ``4Ψ`` -- every chunk stays gathered
+  between its forward and its backward when memory allows;
+* phase B's reduction buffers: data parallelism flattens the gradients into one
+  all-reduce bucket of ``min(4Ψ, bucket)``; ZeRO-1/2 flatten a bucket, and gloo's
+  ``reduce_scatter_tensor`` reduces a full copy of it (two ``min(4Ψ, bucket)``), into a
+  fresh ``4Ψ/D`` shard, next to the shard accumulated from earlier micro-batches.
+
+Checked against the allocator's record of real steps: tests/test_planner_memory.py
+(data, ZeRO-2/3, checkpointing, 1D, sequence, 1F1B) and
+``benchmarks/planner_accuracy.py --memory-only`` (all 54 layouts, 2D and zero bubble
+included).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Tuple
+
+from .model_spec import ModelShape
+
+DP_BUCKET_BYTES = 25 * 2 ** 20       # engine.gradient_handler.DEFAULT_BUCKET_BYTES
+ZERO_BUCKET_BYTES = 25 * 2 ** 20     # the ZeRO-1/2 reducer's default bucket
+RNG_STATE_BYTES = 5056               # torch.get_rng_state().numel(): the CPU generator state
+
+
+@dataclass(slots=True)
+class RankMemory:
+    """The named buffers of one rank at its two candidate peaks (bytes)."""
+
+    states: float
+    activations: float
+    head: float
+    outputs: float
+    gradients_a: float
+    gathered: float
+    gradients_b: float
+    reduction: float
+    outputs_b: float
+    rng_states: float = 0.0   # checkpointing's saved CPU RNG states, alive in both phases
+
+    @property
+    def phase_a(self) -> float:
+        return (self.activations + self.head + self.outputs + self.gradients_a + self.gathered
+                + self.rng_states)
+
+    @property
+    def phase_b(self) -> float:
+        return (self.gradients_b + self.reduction + self.outputs_b + self.gathered
+                + self.rng_states)
+
+    @property
+    def peak(self) -> float:
+        return self.states + max(self.phase_a, self.phase_b)
+
+
+def states_bytes(params: float, zero: int, data: int, elem: int = 4) -> float:
+    """Weights and AdamW moments at a step's start (after ``zero_grad``)."""
+    if zero == 0:
+        return 3 * elem * params
+    if zero in (1, 2):
+        return elem * params + 3 * elem * params / data
+    return 3 * elem * params / data
+
+
+def causal_mask_bytes(shape: ModelShape, layout, elem: int = 4) -> float:
+    """GPT's causal mask ``s^2``, built by each block's attention and saved with it
+    (batch-independent; sequence mode masks per ring step instead)."""
+    return elem * shape.seq ** 2 if shape.kind == 'gpt' and layout.mode != 'sequence' else 0.0
+
+
+def qkv_copy_bytes(shape: ModelShape, layout, elem: int = 4) -> float:
+    """The q/k/v weight and bias joined for the fused projection, ``3 (h^2 + h) / t_w``
+    (t_w = t for the families that split weights, 1 for none and sequence), when
+    ``join_rows`` must copy them: under ZeRO-3, whose chunks hold each weight apart (else
+    ``place_qkv_adjacent`` makes it a view)."""
+    h = shape.hidden
+    t_w = layout.tensor if layout.mode in ('1d', '2d', '2.5d', '3d') else 1
+    return elem * 3 * (h * h + h) / t_w
+
+
+def block_kept(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
+    """Bytes one block keeps per in-flight micro-batch of ``micro`` samples: the saved
+    activations (``block_values_per_token``) and :func:`causal_mask_bytes`."""
+    t = layout.tensor if layout.mode else 1
+    grid = layout.tensor_grid if layout.mode in ('2d', '2.5d', '3d') else 1
+    tokens = micro * shape.seq
+    return (tokens * shape.block_values_per_token(layout.mode, t, grid) * elem
+            + causal_mask_bytes(shape, layout, elem))
+
+
+def head_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
+    """The last stage's loss-head buffers at the start of backward: three logits-sized
+    buffers (the fourth, the logits, is the schedule's kept output or freed when
+    pipelined), the final LayerNorm's input, output and statistics, BERT's MLM transform,
+    and under 2D/2.5D the classifier's SUMMA backward blocks (module doc)."""
+    t = layout.tensor if layout.mode else 1
+    t_v = t if layout.mode not in (None, 'sequence') else 1
+    seq_split = t if layout.mode == 'sequence' else 1
+    tokens = micro * shape.seq / seq_split
+    head_tokens = micro * (shape.seq / seq_split if shape.kind != 'vit' else 1)
+    ln_split = 1 if layout.mode in (None, '1d', 'sequence') else t
+    per_token = 2 * shape.hidden + 2
+    summa = 0.0
+    if layout.mode in ('2d', '2.5d'):  # the classifier's SUMMA backward: the broadcast dY
+        q = layout.tensor_grid         # and W blocks of two steps in flight
+        summa = min(q, 2) * (head_tokens * shape.outputs + shape.outputs * shape.hidden) / t
+    if shape.kind == 'bert':  # the MLM transform: dense and GELU outputs, LayerNorm output
+        per_token += 3 * shape.hidden + 2   # and statistics (its input is the GELU output)
+    return elem * (3 * head_tokens * shape.outputs / t_v + tokens * per_token / ln_split
+                   + summa)
+
+
+def mlp_gradient_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
+    """A block's backward transient: the gradients of its MLP hidden, the GELU's output and
+    the fc1 output, ``2 n r h`` (/t where the MLP is split: every family but none); 2D and
+    2.5D add fc1's SUMMA backward blocks of two steps in flight, ``min(q, 2) (n r h + r h^2)
+    / t`` (the broadcast dY and W blocks)."""
+    t = layout.tensor if layout.mode else 1
+    tokens = micro * shape.seq
+    hidden = shape.mlp_ratio * shape.hidden
+    summa = 0.0
+    if layout.mode in ('2d', '2.5d'):  # fc1's SUMMA backward: its broadcast dY and W blocks
+        summa = min(layout.tensor_grid, 2) * (tokens * hidden + hidden * shape.hidden) / t
+    return elem * (2 * tokens * hidden / t + summa)
+
+
+def w_stash_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
+    """Zero bubble's W stash, per block and micro-batch whose weight-gradient pass is
+    pending: the gradients the B pass computed at the outputs of q/k/v (3h), of the
+    attention projection (h), of fc1 and of the GELU (2 r h) and of fc2 (h), which W
+    multiplies by the saved inputs (the column-split ones /t: 1D, 2D, ...; sequence
+    mode: n is this rank's share)."""
+    t = layout.tensor if layout.mode else 1
+    split = t if layout.mode not in (None, 'sequence') else 1
+    tokens = micro * shape.seq / (t if layout.mode == 'sequence' else 1)
+    h, r = shape.hidden, shape.mlp_ratio
+    row_out = h / (split if layout.mode in ('2d', '2.5d', '3d') else 1)
+    return elem * tokens * ((3 * h + 2 * r * h) / split + 2 * row_out)
+
+
+def zero_bubble_peak_state(ranks: int, microbatches: int, rank: int) -> Tuple[int, int]:
+    """(micro-batches held, of them waiting for their W) at a rank's peak in the runtime's
+    ZB-H1 order (``pipeline.zero_bubble``; M >= P): a micro-batch is held from its F to its
+    W and waits with its W stash from its B to its W; just before its first W a rank holds
+    ``min(M, P)`` of which ``min(M, r + 1)`` wait, both maxima at once (tested against the
+    generated orders)."""
+    return min(microbatches, ranks), min(microbatches, rank + 1)
+
+
+def boundary_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
+    """A pipeline rank's received activation (or gradient) buffer, ``n h`` (/t unless 1D:
+    split like the block input)."""
+    t = layout.tensor if layout.mode and layout.mode != '1d' else 1
+    return elem * micro * shape.seq * shape.hidden / t
+
+
+def output_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
+    """One micro-batch's logits, as the schedule keeps them for its return value."""
+    t = layout.tensor if layout.mode else 1
+    t_v = t if layout.mode not in (None, 'sequence') else 1
+    seq_split = t if layout.mode == 'sequence' else 1
+    head_tokens = micro * (shape.seq / seq_split if shape.kind != 'vit' else 1)
+    return elem * head_tokens * shape.outputs / t_v
+
+
+@lru_cache(maxsize=65536)
+def _unit_terms(shape: ModelShape, layout, micro: float, elem: int) -> Tuple[float, ...]:
+    """Per block or micro-batch: kept, q/k/v copy, checkpointed block input, MLP gradient
+    transient, loss head, boundary buffer, one micro-batch's logits, W stash."""
+    t = layout.tensor if layout.mode else 1
+    block_input = micro * shape.seq * shape.hidden * elem / (1 if layout.mode == '1d' else t)
+    return (block_kept(shape, layout, micro, elem), qkv_copy_bytes(shape, layout, elem),
+            block_input, mlp_gradient_bytes(shape, layout, micro, elem),
+            head_bytes(shape, layout, micro, elem), boundary_bytes(shape, layout, micro, elem),
+            output_bytes(shape, layout, micro, elem), w_stash_bytes(shape, layout, micro, elem))
+
+
+def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: float,
+                last: bool, micro: float, microbatches: int, zero: int, checkpoint: bool,
+                after_backward: bool, schedule: str = '1f1b', rank: int = 0,
+                elem: int = 4) -> RankMemory:
+    """The buffers of one rank holding ``params`` local elements and ``blocks`` blocks,
+    with ``held`` micro-batches in flight at its peak; ``after_backward``: an earlier
+    micro-batch's backward has run when the peak comes (its gradients are live)."""
+    d, m = layout.data, microbatches
+    grads = elem * params
+    kept, qkv, block_input, mlp, loss_head, boundary, logits, stash = _unit_terms(
+        shape, layout, micro, elem)
+    if zero == 3:
+        kept += qkv
+    if checkpoint:  # each block keeps its input and the CPU RNG state for its recompute
+        activations = held * blocks * block_input
+    elif schedule == 'zero_bubble' and layout.pipeline > 1:
+        held_zb, waiting = zero_bubble_peak_state(layout.pipeline, m, rank)
+        activations = blocks * (held_zb * kept + (waiting * stash if rank else 0.0))
+    else:
+        activations = held * blocks * kept
+    head = mlp if blocks else 0.0
+    if last:
+        head = max(head, loss_head)
+    if layout.pipeline > 1:
+        head += boundary
+    # the schedule keeps each micro-batch's logits for its return value; a pipeline's last
+    # stage computes the loss in place and keeps only the scalar
+    out = logits if last and layout.pipeline == 1 else 0.0
+    reducers = d * layout.tensor if layout.mode == 'sequence' else d
+    if zero == 2 and reducers > 1:
+        shard = grads / d
+        gradients_a = shard if m > 1 else 0.0
+        bucket = min(grads, ZERO_BUCKET_BYTES)
+        reduction = 2 * bucket + shard + (shard if m > 1 else 0.0)
+    elif zero == 1 and reducers > 1:
+        gradients_a = grads if after_backward else 0.0
+        bucket = min(grads, ZERO_BUCKET_BYTES)
+        reduction = 2 * bucket + grads / d
+    else:
+        gradients_a = grads if after_backward else 0.0
+        reduction = min(grads, DP_BUCKET_BYTES) if (zero == 0 and reducers > 1) else 0.0
+    if checkpoint and blocks:  # or later, recomputing the first block: all later gradients
+        head = max(head, kept + grads - gradients_a)
+    gathered = grads if zero == 3 else 0.0
+    return RankMemory(states=states_bytes(params, zero, d, elem),
+                      activations=activations, head=head,
+                      outputs=m * out,
+                      gradients_a=gradients_a, gathered=gathered,
+                      gradients_b=grads, reduction=reduction, outputs_b=m * out,
+                      rng_states=held * blocks * RNG_STATE_BYTES if checkpoint else 0.0)
