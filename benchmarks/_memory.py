@@ -13,34 +13,10 @@ import ctypes
 import gc
 import os
 import resource
-import warnings
 
-import torch
+from colossal_lite.testing.memory import live_tensor_bytes  # noqa: F401 -- shared with the tests
 
 _LIBC = ctypes.CDLL('libc.so.6')
-
-
-def live_tensor_bytes() -> int:
-    """Bytes of the storages of every live tensor (found through gc after a collection, so
-    tensors left in unreachable cycles do not count), each storage once."""
-    from torch.distributed.tensor import DTensor
-    gc.collect()
-    seen, total = set(), 0
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore')
-        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    for obj in objects:
-        try:
-            t = obj._local_tensor if isinstance(obj, DTensor) else obj
-            storage = t.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if storage.data_ptr() == 0 or key in seen:
-                continue
-            seen.add(key)
-            total += storage.nbytes()
-        except Exception:   # noqa: BLE001 -- meta/fake tensors and the like hold no bytes
-            continue
-    return total
 
 
 def rss_bytes() -> int:

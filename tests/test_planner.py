@@ -32,6 +32,7 @@ from colossal_lite.auto.search import (bmw_partition, divisors, dp_layers, exhau
 from colossal_lite.config import ParallelLayout, load_config, parse_parallel
 from colossal_lite.context import ParallelContext, use_context
 from colossal_lite.pipeline.partition import uniform_cut
+from colossal_lite.testing.memory import live_tensor_bytes
 from model_zoo import BERT, GPT, ViT
 
 
@@ -207,18 +208,9 @@ def _model_data(rank, config_zero):
     import colossal_lite as clt
     from colossal_lite.models import get_model
     from colossal_lite.testing import engine_step
-    import gc
 
-    def live():
-        gc.collect()
-        seen = {}
-        for obj in gc.get_objects():
-            # 0-dim tensors: AdamW's per-parameter step counters (4 bytes each), not counted
-            if isinstance(obj, torch.Tensor) and obj.device.type == 'cpu' and obj.dim():
-                st = obj.untyped_storage()
-                if st.data_ptr():
-                    seen[st.data_ptr()] = st.nbytes()
-        return sum(seen.values())
+    def live():   # 0-dim tensors (AdamW's per-parameter step counters) not counted
+        return live_tensor_bytes(scalars=False)
     ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
     before = live()
     entry = get_model('gpt')

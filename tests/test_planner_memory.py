@@ -25,23 +25,15 @@ from colossal_lite.auto import load_profile
 from colossal_lite.auto.cost import Candidate, evaluate
 from colossal_lite.auto.model_spec import model_shape
 from colossal_lite.config import ParallelLayout
+from colossal_lite.testing.memory import live_tensor_bytes
 
 OPTS = dict(vocab_size=256, max_positions=16, hidden=32, layers=2, heads=4, dropout=0.0)
 BATCH = 8
 
 
 def _live_bytes() -> int:
-    """Bytes of every live CPU tensor storage with at least one dimension (AdamW's 0-dim
-    step counters are not modelled), each storage once."""
-    import gc
-    gc.collect()
-    seen = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == 'cpu' and obj.dim():
-            st = obj.untyped_storage()
-            if st.data_ptr():
-                seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    """Live tensor bytes without 0-dim tensors (AdamW's step counters are not modelled)."""
+    return live_tensor_bytes(scalars=False)
 
 
 def _step_memory(rank, checkpoint):

@@ -1,4 +1,6 @@
-"""Exact memory of calls on CPU: the peak of the bytes torch's allocator handed out.
+"""Exact memory on CPU: the bytes of live tensors, and the peak torch's allocator handed out.
+
+:func:`live_tensor_bytes` sums the storages of every live tensor (each once).
 
 :func:`peak_allocated` runs calls one after another under ``torch.profiler`` with
 ``profile_memory``: the CPU allocator then reports every allocation, and every free of a
@@ -12,9 +14,38 @@ memory (gloo's buffers, Python objects).
 """
 from __future__ import annotations
 
+import gc
+import warnings
 from typing import Callable, List, Sequence
 
 import torch
+
+
+def live_tensor_bytes(scalars: bool = True) -> int:
+    """Bytes of the storages of every live tensor (found through gc after a collection, so
+    tensors left in unreachable cycles do not count; a DTensor through its local tensor),
+    each storage once. ``scalars=False`` leaves out 0-dim tensors (e.g. AdamW's
+    per-parameter step counters)."""
+    from torch.distributed.tensor import DTensor
+    gc.collect()
+    seen, total = set(), 0
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
+        try:
+            t = obj._local_tensor if isinstance(obj, DTensor) else obj
+            if not scalars and not t.dim():
+                continue
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if storage.data_ptr() == 0 or key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+        except Exception:   # noqa: BLE001 -- meta/fake tensors and the like hold no bytes
+            continue
+    return total
 
 
 def peak_allocated(calls: Sequence[Callable[[], object]]) -> List[int]:
