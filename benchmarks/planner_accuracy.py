@@ -256,7 +256,9 @@ def analyse(records):
             pred = [r['predicted_step_s'] for r in fit]
             meas = [r['measured_step_s'] for r in fit]
             pick = fit[min(range(len(fit)), key=lambda i: pred[i])]
-            best = min(valid, key=lambda r: r['measured_step_s'])
+            # older records measured RSS (above the allocator peaks predicted now): none
+            # may fit the budget, then the regret is against the best that fits predicted
+            best = min(valid or fit, key=lambda r: r['measured_step_s'])
             spread = [max(r['measured_step_s_rounds']) / min(r['measured_step_s_rounds']) - 1
                       for r in fit]
             out.append(dict(model=key[0], size=key[1], budget=name, budget_bytes=budget,
@@ -294,6 +296,7 @@ def main():
                                'planner_accuracy.json')) as f:
             old = json.load(f)
         profile, raw = ClusterProfile.from_json(old['profile']), old['raw']
+        _upgrade_profile(profile, old.get('environment', {}))
         if args.reprofile:
             profile = measure('this machine (measured)')
         load_before, load_after = old['load_average_before'], old['load_average_after']
@@ -341,6 +344,18 @@ def main():
         environment=environment(), raw=raw, **extra))
     _plot(records)
     print('wrote', path, f'in {time.perf_counter() - start:.0f} s')
+
+
+def _upgrade_profile(profile, env):
+    """A profile stored before the time-model fixes: its per-family blocks refitted to the
+    samples each rank ran (``profile.refit_family_blocks``) and the ranks / cores it was
+    timed on (``WORLD``, the stored environment's CPU count) when absent."""
+    from colossal_lite.auto.profile import refit_family_blocks
+    compute = profile.compute
+    if 'family_blocks' in compute:
+        compute['family_blocks'] = refit_family_blocks(compute['family_blocks'], WORLD)
+    if 'cores' not in compute and env.get('cpu_count'):
+        compute['ranks'], compute['cores'] = WORLD, env['cpu_count']
 
 
 def memory_only(reanalyse: bool = False):

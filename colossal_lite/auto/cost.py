@@ -17,14 +17,20 @@ the step time. Formulas (docs/planner.md has them with their sources):
   ``terms['model_data']`` the states live after a step (``MODEL_DATA_BYTES``, tested
   equal to real runs), ``terms['memory_buffers']`` the ``RankMemory`` of every rank;
 * compute: a block of a family and size the profile timed (``family_blocks``): its fitted
-  ``overhead + seconds_per_flop * FLOPs``, collectives included; else block FLOPs / t /
+  ``overhead + seconds_per_flop * FLOPs``, collectives included, seconds per FLOP at least
+  the serial block's / t; the first and last parts add the family's measured ``rest``
+  (embedding, head, loss beyond their FLOPs) per micro-batch; else block FLOPs / t /
   ``flops`` + the per-block overhead (backward 2x forward, a recompute 1x) and
   tensor communication: ``formulas.block_bytes`` per block and micro-batch through the
   profile's α-β of the family's collective (a recompute repeats the forward half);
 * stage boundaries: one p2p of the activation shard per micro-batch and direction;
 * gradient sync: ``formulas.gradient_sync_bytes`` over the data group; overlapped with the
   last micro-batch's backward without a pipeline (both slowed 1.3x while they overlap,
-  as Galvatron-BMW measures), exposed after the pipeline flush with one;
+  as Galvatron-BMW measures), exposed after the pipeline flush with one; ZeRO-3 pays a
+  latency per chunk and call (``zero3_chunks``: the runtime's chunk search);
+* oversubscription ``s = ranks / cores`` of the profile (> 1: ranks time-share cores, and
+  the measured block times carry it): a pipeline takes ``max(M * T, schedule time / s)``,
+  the ranks waiting in the bubble freeing their cores for the computing ones;
 * step = pipeline time (bubble per schedule) + exposed gradient sync + the AdamW step on
   the local (ZeRO: sharded) parameters (``compute['adam_s_per_param']`` when measured).
 """
@@ -191,6 +197,27 @@ def _tensor_time(cluster: ClusterProfile, layout, nbytes: float) -> float:
     return (calls - 1) * alpha + cluster.group_time(op, nbytes, t // size, size)
 
 
+def oversubscription(cluster: ClusterProfile) -> float:
+    """How many times slower a rank computes with every rank busy than alone: the profile's
+    ``compute['ranks'] / compute['cores']`` (ranks timed at once over the cores they
+    shared, ``profile.measure``) when above 1, else 1 (a device per rank: GPUs, hand-written
+    profiles). The measured block times (``family_blocks``) carry this slowdown."""
+    ranks, cores = cluster.compute.get('ranks'), cluster.compute.get('cores')
+    if not ranks or not cores:
+        return 1.0
+    return max(1.0, float(ranks) / float(cores))
+
+
+def parts_overhead(cluster: ClusterProfile, layout) -> float:
+    """Forward + backward seconds per micro-batch of the first and last parts (embedding,
+    head, loss) beyond their FLOPs: the family's measured ``rest`` (``family_blocks``, the
+    1-block model minus its block at a small vocabulary: dispatch and the vocab-parallel
+    collectives' latencies), 0 without one."""
+    t = layout.tensor if layout.mode else 1
+    entry = cluster.compute.get('family_blocks', {}).get(layout.mode or 'none', {}).get(str(t))
+    return float(entry.get('rest', 0.0)) if entry else 0.0
+
+
 def block_time(shape: ModelShape, cluster: ClusterProfile, layout, tokens: float,
                comm_bytes: float) -> Tuple[float, float]:
     """(forward compute seconds, forward + backward tensor-communication seconds) of one
@@ -204,7 +231,11 @@ def block_time(shape: ModelShape, cluster: ClusterProfile, layout, tokens: float
     table = cluster.compute.get('family_blocks', {})
     entry = table.get(layout.mode or 'none', {}).get(str(t))
     if entry is not None:
-        return (entry['overhead'] + entry['seconds_per_flop'] * 3 * flops) / 3, 0.0
+        per_flop = entry['seconds_per_flop']
+        serial = table.get('none', {}).get('1')
+        if serial is not None and t > 1:  # a rank's FLOP share runs no faster than serial
+            per_flop = max(per_flop, serial['seconds_per_flop'] / t)
+        return (entry['overhead'] + per_flop * 3 * flops) / 3, 0.0
     overhead = float(cluster.compute.get('block_overhead_s', 0.0))
     return flops / t / cluster.flops + overhead / 3, _tensor_time(cluster, layout, comm_bytes)
 
@@ -229,6 +260,7 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     kept = block_kept(shape, l, micro, elem)
 
     f_head = shape.head_flops(micro) / t / cluster.flops
+    part_fixed = parts_overhead(cluster, l) / 2  # per part (first, last), fwd + bwd
     comm_block = _block_bytes(l.mode, t, micro, shape.seq, shape.hidden,
                               shape.mlp_ratio, l.depth, elem)
     f_block, c_block = block_time(shape, cluster, l, tokens, comm_block)
@@ -241,8 +273,10 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     parts = rank_parts(ranges, p, v)
     for rank, (n_blocks, n_stages, first, last) in enumerate(parts):
         params_rank.append(n_blocks * block_params + first * first_params + last * last_params)
-        fwd.append(n_blocks * f_one + last * f_head + p2p * n_stages)
-        bwd.append(n_blocks * b_one + last * 2 * f_head + p2p * n_stages)
+        fwd.append(n_blocks * f_one + last * f_head + (first + last) * part_fixed / 3
+                   + p2p * n_stages)
+        bwd.append(n_blocks * b_one + last * 2 * f_head + (first + last) * part_fixed * 2 / 3
+                   + p2p * n_stages)
         held = in_flight(cand.schedule, p, m, v, rank)
         rank_shapes.append(dict(blocks=n_blocks, held=held, last=bool(last),
                                 after_backward=m > held, schedule=cand.schedule, rank=rank))
@@ -250,12 +284,16 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     slow = max(stage_time)
     if p == 1:
         pipe = m * slow
-    elif cand.schedule == 'interleaved':
-        pipe = (m + (p - 1) / v) * slow
-    elif cand.schedule == 'zero_bubble':
-        pipe = m * slow + (p - 1) * max(fwd)
     else:
-        pipe = (m + p - 1) * slow
+        if cand.schedule == 'interleaved':
+            pipe = (m + (p - 1) / v) * slow
+        elif cand.schedule == 'zero_bubble':
+            pipe = m * slow + (p - 1) * max(fwd)
+        else:
+            pipe = (m + p - 1) * slow
+        # oversubscribed cores: ranks waiting in the bubble free their cores, so the
+        # schedule's path runs at the alone speed, bounded by the cores' total work
+        pipe = max(m * slow, pipe / oversubscription(cluster))
     most = max(n for n, _, _, _ in parts)
     shared = dict(compute=m * most * (3 * f_block + (f_block if cand.checkpoint else 0.0)),
                   tensor_comm=m * most * c_block * (1.5 if cand.checkpoint else 1.0),
@@ -271,7 +309,8 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
         memory = [b.peak for b in buffers]
         data_whole, data_sharded = MODEL_DATA_BYTES[zero]
         model_data = [n * (data_whole + data_sharded / d) for n in params_rank]
-        sync = _gradient_sync(cluster, l, this, max(params_rank), elem)
+        chunks = zero3_chunks(shape, d) if zero == 3 else 1
+        sync = _gradient_sync(cluster, l, this, max(params_rank), elem, chunks)
         if p == 1 and zero in (0, 2):
             exposed = max(0.0, sync - bwd[0]) + (OVERLAP_SLOWDOWN - 1) * min(sync, bwd[0])
         else:
@@ -284,10 +323,43 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     return out
 
 
+def _tensor_numels(layers) -> List[int]:
+    """Serial elements of each parameter tensor of ``layers`` (model_spec's kinds), in order."""
+    out: List[int] = []
+    for kind, a in layers:
+        if kind == 'linear':
+            out += [a['fin'] * a['fout']] + ([a['fout']] if a['bias'] else [])
+        elif kind == 'layernorm':
+            out += [a['h'], a['h']]
+        elif kind in ('embedding', 'vocab_embedding'):
+            out.append(a['v'] * a['h'])
+        elif kind in ('vocab_classifier', 'classifier'):
+            out += (([] if a.get('tied') else [a['c'] * a['h']])
+                    + ([a['c']] if a.get('bias') else []))
+        elif kind == 'patch_embedding':
+            out += [a['h'] * a['chans'] * a['patch'] ** 2, a['h'], a['h'], a['tokens'] * a['h']]
+        else:
+            raise NotImplementedError(f'the chunk count knows no layer kind {kind!r}')
+    return out
+
+
+@lru_cache(maxsize=256)
+def zero3_chunks(shape: ModelShape, data: int) -> int:
+    """Chunks chunk ZeRO (ZeRO-3) packs the model's parameters into: the runtime's
+    ``search_chunk_size`` over the parameter tensors (serial sizes, in model order: 1D splits
+    them about evenly, which keeps the count) for a data group of ``data``. Each chunk is one
+    all_gather per forward and per backward and one reduce_scatter per micro-step."""
+    from ..zero.chunk.search import search_chunk_size
+    numels = (_tensor_numels(shape.first_layers()) + _tensor_numels(shape.block_layers())
+              * shape.layers + _tensor_numels(shape.last_layers(False)))
+    return search_chunk_size(numels, dp_sizes=(data,)).chunks
+
+
 def _gradient_sync(cluster: ClusterProfile, layout, cand: Candidate, params: float,
-                   elem: int) -> float:
+                   elem: int, chunks: int = 1) -> float:
     """Seconds of the data-parallel gradient traffic (``formulas.gradient_sync_bytes``) of
-    the heaviest stage, over the data group (stride t, size D; sequence mode: D*t)."""
+    the heaviest stage, over the data group (stride t, size D; sequence mode: D*t); ZeRO-3
+    moves it in ``chunks`` calls per all_gather / reduce_scatter (a latency each)."""
     d, t = layout.data, layout.tensor
     stride, size = t, d
     if layout.mode == 'sequence':
@@ -301,5 +373,10 @@ def _gradient_sync(cluster: ClusterProfile, layout, cand: Candidate, params: flo
     rs_calls = {1: 1, 2: cand.microbatches, 3: cand.microbatches}[cand.zero]
     ag_calls = {1: 1, 2: 1, 3: 2 * cand.microbatches}[cand.zero]
     assert (rs_calls + ag_calls) * one == n
-    return (rs_calls * cluster.group_time('reduce_scatter', one, stride, size)
+    extra = 0.0
+    if chunks > 1:
+        where = cluster.placement(stride, size)
+        extra = (chunks - 1) * (rs_calls * cluster.alpha_beta('reduce_scatter', size, where)[0]
+                                + ag_calls * cluster.alpha_beta('all_gather', size, where)[0])
+    return (extra + rs_calls * cluster.group_time('reduce_scatter', one, stride, size)
             + ag_calls * cluster.group_time('all_gather', one, stride, size))

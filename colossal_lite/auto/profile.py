@@ -9,6 +9,10 @@
 * compute: forward and backward of one model_zoo ``TransformerLayer`` at a few batch sizes
   on each of the 4 ranks at once (one thread each, as training runs); ``flops`` = the block
   FLOPs (``ModelShape.block_flops``, backward 2x) / measured time, median over ranks.
+* ``compute['ranks']`` / ``compute['cores']``: the ranks timed at once and the cores they
+  shared (``os.sched_getaffinity``): more ranks than cores time-share them, so a block
+  timed with every rank busy (``family_blocks``) is ``ranks / cores`` times slower than
+  one running alone (the cost model's oversubscription, ``cost.oversubscription``).
 
 ``python -m colossal_lite.auto.profile out.json`` writes the JSON.
 """
@@ -187,15 +191,13 @@ def _time_family(rank: int, batches: Sequence[int], repeats: int) -> Dict[str, f
     launched layout, per ``'layers,batch'`` (``batch`` samples per data replica; the fastest
     of ``repeats`` after a warm-up, every rank stepping at once after a barrier)."""
     torch.set_num_threads(1)
-    from ..context import ParallelMode, global_context as gpc
-    data = gpc.get_world_size(ParallelMode.DATA)
     from .. import communication as comm
     out = {}
     for layers in (1, 2):
         torch.manual_seed(0)
         model = _gpt(layers=layers, **FAMILY_MODEL)
-        for b in batches:
-            ids = torch.randint(0, FAMILY_MODEL['vocab_size'], (b * data, 64),
+        for b in batches:  # a data replica's b samples (its tensor ranks all see them)
+            ids = torch.randint(0, FAMILY_MODEL['vocab_size'], (b, 64),
                                 generator=torch.Generator().manual_seed(b))
             times = []
             for i in range(repeats + 1):
@@ -234,8 +236,32 @@ def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BAT
         overhead, per_flop = fit_alpha_beta(flops, block)
         table.setdefault(mode or 'none', {})[str(t)] = dict(
             overhead=overhead, seconds_per_flop=per_flop, block_s=block,
-            batches=list(batches), rest=max(0.0, worst[f'1,{batches[0]}'] - block[0]))
+            batches=list(batches), rest=max(0.0, worst[f'1,{batches[0]}'] - block[0]),
+            per_replica=True)
     return table
+
+
+def refit_family_blocks(table: Dict[str, Dict[str, dict]], world: int = 4
+                        ) -> Dict[str, Dict[str, dict]]:
+    """``table`` with every entry measured before ``per_replica`` (each rank then ran
+    ``data = world / t`` replicas' samples, ``data * b``, while the fit counted ``b``)
+    refitted against the FLOPs of the samples it ran; entries marked ``per_replica`` as
+    they are. For profiles stored before the fix (``planner_accuracy --reanalyse``)."""
+    from .model_spec import ModelShape
+    shape = ModelShape('gpt', None, tuple(sorted(dict(FAMILY_MODEL, layers=1).items())), 64)
+    out: Dict[str, Dict[str, dict]] = {}
+    for mode, sizes in table.items():
+        for t, entry in sizes.items():
+            entry = dict(entry)
+            if not entry.get('per_replica'):
+                data = world // int(t)
+                flops = [3 * shape.block_flops(b * data * 64) for b in entry['batches']]
+                entry['overhead'], entry['seconds_per_flop'] = fit_alpha_beta(
+                    flops, entry['block_s'])
+                entry['batches'] = [b * data for b in entry['batches']]
+                entry['per_replica'] = True
+            out.setdefault(mode, {})[t] = entry
+    return out
 
 
 def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
@@ -251,7 +277,8 @@ def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
                                    statistics.median(b['adam_s_per_param'] for b in blocks),
                                    'block_overhead_s':
                                    statistics.median(b['overhead'] for b in blocks),
-                                   'family_blocks': measure_families()},
+                                   'family_blocks': measure_families(),
+                                   'ranks': 4, 'cores': len(os.sched_getaffinity(0))},
                           sources={'all': 'measured by colossal_lite.auto.profile (gloo, '
                                           'forked local processes, CPU)'})
 

@@ -1,0 +1,130 @@
+"""The cost model's time terms for a measured, oversubscribed machine (docs/planner.md):
+
+* ``profile.refit_family_blocks`` refits a family entry measured before ``per_replica`` (each
+  rank ran ``data`` replicas' samples) against the samples it ran: it recovers the known
+  seconds per FLOP of synthetic timings; a ``per_replica`` entry is left as it is;
+* oversubscription (``ranks / cores`` > 1): a pipeline's bubble is filled by the ranks that
+  compute while others wait, so 1F1B takes ``max(M * slowest stage, (M + P - 1) * slowest
+  stage / (ranks / cores))``; without cores in the profile the plain ``(M + P - 1)`` form;
+* a family's ``rest`` (embedding, head, loss beyond FLOPs) adds to every micro-batch;
+* a tensor family's seconds per FLOP are at least the serial block's divided by t;
+* ZeRO-3: the chunk count equals the runtime's search on real GPT/BERT/ViT builds; each chunk
+  adds one all_gather latency per forward and backward and one reduce_scatter per micro-step.
+"""
+import pytest
+
+from colossal_lite.auto import ClusterProfile
+from colossal_lite.auto.cost import Candidate, evaluate, oversubscription, zero3_chunks
+from colossal_lite.auto.model_spec import ModelShape, model_shape
+from colossal_lite.auto.profile import FAMILY_MODEL, refit_family_blocks
+from colossal_lite.config import ParallelLayout
+
+SHAPE = model_shape('gpt', None, seq=64, vocab_size=256, max_positions=64, hidden=128,
+                    layers=4, heads=4, dropout=0.0)
+
+
+def _profile(family, **compute):
+    return ClusterProfile('t', 4, 4, 1e9, 1e10,
+                          collectives={'all_reduce': {'4': {'intra': [1e-3, 1e-9]}},
+                                       'p2p': {'2': {'intra': [1e-4, 1e-9]}}},
+                          compute=dict(family_blocks=family, **compute))
+
+
+def _entry(overhead, per_flop, rest=0.0):
+    return dict(overhead=overhead, seconds_per_flop=per_flop, rest=rest, per_replica=True,
+                batches=[2, 4, 8], block_s=[0.0, 0.0, 0.0])
+
+
+def test_refit_family_blocks_counts_the_samples_each_rank_ran():
+    shape = ModelShape('gpt', None, tuple(sorted(dict(FAMILY_MODEL, layers=1).items())), 64)
+    per_flop, overhead, batches = 4e-11, 2e-3, [2, 4, 8]
+    # old measurement: 'none' with data 4 ran 4 b samples per rank; 1D 4 (data 1) ran b
+    old = {'none': {'1': dict(batches=batches, overhead=0.0, seconds_per_flop=1.0, rest=0.0,
+                              block_s=[overhead + per_flop * 3 * shape.block_flops(4 * b * 64)
+                                       for b in batches])},
+           '1d': {'4': dict(batches=batches, overhead=0.0, seconds_per_flop=1.0, rest=0.0,
+                            block_s=[overhead + per_flop * 3 * shape.block_flops(b * 64)
+                                     for b in batches])},
+           'sequence': {'2': _entry(5e-3, 7e-12)}}
+    new = refit_family_blocks(old, world=4)
+    for mode, t in (('none', '1'), ('1d', '4')):
+        assert new[mode][t]['seconds_per_flop'] == pytest.approx(per_flop, rel=1e-6)
+        assert new[mode][t]['overhead'] == pytest.approx(overhead, rel=1e-4)
+        assert new[mode][t]['per_replica']
+    assert new['none']['1']['batches'] == [8, 16, 32]
+    assert new['sequence']['2'] == old['sequence']['2']
+    assert old['none']['1']['seconds_per_flop'] == 1.0  # the input is not changed
+
+
+def test_oversubscribed_pipeline_bubble_is_filled_by_the_waiting_ranks_cores():
+    family = {'none': {'1': _entry(1e-3, 4e-11)}}
+    layout = ParallelLayout(2, 1, None, 1, 2)
+    cand = Candidate(layout, 4, '1f1b')
+    plain = evaluate(SHAPE, _profile(family), cand, 16)
+    assert oversubscription(_profile(family)) == 1.0
+    slow = max(plain.stage_time)
+    assert plain.terms['pipeline'] == pytest.approx((4 + 2 - 1) * slow)
+    shared = evaluate(SHAPE, _profile(family, ranks=4, cores=2), cand, 16)
+    assert oversubscription(_profile(family, ranks=4, cores=2)) == 2.0
+    assert shared.stage_time == plain.stage_time
+    assert shared.terms['pipeline'] == pytest.approx(max(4 * slow, 5 * slow / 2))
+    assert shared.terms['pipeline'] == pytest.approx(4 * slow)
+    # one micro-batch on 8 ranks: the path (2 stages at 1/4 of the time) is under the work
+    one = evaluate(SHAPE, _profile(family, ranks=8, cores=2), Candidate(layout, 1), 16)
+    assert one.terms['pipeline'] == pytest.approx(max(one.stage_time))
+    # no pipeline: unchanged by oversubscription
+    data = Candidate(ParallelLayout(1, 1, None, 1, 4), 1)
+    assert (evaluate(SHAPE, _profile(family, ranks=4, cores=2), data, 16).step_time
+            == pytest.approx(evaluate(SHAPE, _profile(family), data, 16).step_time))
+
+
+def test_family_rest_adds_to_every_micro_batch():
+    rest = 0.02
+    cand = Candidate(ParallelLayout(1, 1, None, 1, 4), 3)
+    without = evaluate(SHAPE, _profile({'none': {'1': _entry(1e-3, 4e-11)}}), cand, 24)
+    with_rest = evaluate(SHAPE, _profile({'none': {'1': _entry(1e-3, 4e-11, rest)}}), cand, 24)
+    assert with_rest.terms['pipeline'] - without.terms['pipeline'] == pytest.approx(3 * rest)
+    # a pipeline: half on the first rank, half on the last
+    pp = Candidate(ParallelLayout(2, 1, None, 1, 2), 2)
+    a = evaluate(SHAPE, _profile({'none': {'1': _entry(1e-3, 4e-11)}}), pp, 8)
+    b = evaluate(SHAPE, _profile({'none': {'1': _entry(1e-3, 4e-11, rest)}}), pp, 8)
+    assert [y - x for x, y in zip(a.stage_time, b.stage_time)] == pytest.approx(
+        [rest / 2, rest / 2])
+
+
+def test_tensor_family_flop_rate_is_at_most_the_serial_rate_times_t():
+    serial, overhead = 4e-11, 5e-3
+    layout = ParallelLayout(1, 4, '1d', 1, 1)
+    cand = Candidate(layout, 1)
+    fitted_flat = {'none': {'1': _entry(0.0, serial)}, '1d': {'4': _entry(overhead, 1e-15)}}
+    est = evaluate(SHAPE, _profile(fitted_flat), cand, 16)
+    flops = SHAPE.block_flops(16 * 64)
+    assert est.terms['block_compute'] == pytest.approx(overhead + serial / 4 * 3 * flops)
+    # a fitted rate slower than the bound is kept
+    slower = {'none': {'1': _entry(0.0, serial)}, '1d': {'4': _entry(overhead, serial)}}
+    est = evaluate(SHAPE, _profile(slower), cand, 16)
+    assert est.terms['block_compute'] == pytest.approx(overhead + serial * 3 * flops)
+
+
+@pytest.mark.parametrize('kind,opts', [
+    ('gpt', dict(hidden=128, layers=4, heads=4)),
+    ('bert', dict(hidden=128, layers=4, heads=4, nsp=False)),
+    ('vit', dict(img_size=32, patch_size=4, in_chans=3, num_classes=10, hidden=128, layers=4,
+                 heads=4))])
+def test_zero3_chunks_equal_the_runtime_search_and_cost_a_latency_each(kind, opts):
+    import model_zoo  # noqa: F401  (registers gpt/bert/vit)
+    from colossal_lite.models import get_model
+    from colossal_lite.zero.chunk.search import search_chunk_size
+    text = dict(vocab_size=256, max_positions=64) if kind != 'vit' else {}
+    shape = model_shape(kind, None, seq=64 if kind != 'vit' else None, **text, **opts)
+    model = get_model(kind).builder(dropout=0.0, **text, **opts)
+    real = search_chunk_size([p.numel() for p in model.parameters()], dp_sizes=(4,)).chunks
+    assert zero3_chunks(shape, 4) == real
+    prof = _profile({}, ranks=4, cores=2)
+    prof.collectives.update({'all_gather': {'4': {'intra': [2e-3, 1e-9]}},
+                             'reduce_scatter': {'4': {'intra': [3e-3, 1e-9]}}})
+    est = evaluate(shape, prof, Candidate(ParallelLayout(1, 1, None, 1, 4), 2, zero=3), 16)
+    n = est.terms['params'][0] * 4
+    # per micro-step: 2 all_gathers and 1 reduce_scatter per chunk
+    expect = 2 * (2 * (real * 2e-3 + 1e-9 * n) + real * 3e-3 + 1e-9 * n)
+    assert est.terms['gradient_sync'] == pytest.approx(expect)
