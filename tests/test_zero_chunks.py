@@ -226,6 +226,16 @@ def _mse(out, target):
     return torch.nn.functional.mse_loss(out, target)
 
 
+def _serial_mse_run(model_cls):
+    """A ``model_cls()`` (seed 1): its initial weights and its serial trace of STEPS AdamW
+    steps on the MSE batch."""
+    torch.manual_seed(1)
+    model = model_cls()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    return init, training_trace(model, _reverse_batch(), steps=STEPS, step_fn=plain_step(
+        _mse, make_optimizer(model.parameters()), outputs=False))
+
+
 def _reverse_worker(rank, init, placement):
     torch.manual_seed(1)
     model = UsedInReverse()
@@ -254,11 +264,7 @@ def test_chunks_are_repacked_in_traced_first_use_order(placement):
     (different grouping: the masters and Adam's moments move across chunk boundaries);
     the loss, every gradient and the parameters after each of 5 AdamW steps still equal
     the serial run, and the device ledger holds exactly the new resident shards."""
-    torch.manual_seed(1)
-    model = UsedInReverse()
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    ref = training_trace(model, _reverse_batch(), steps=STEPS, step_fn=plain_step(
-        _mse, make_optimizer(model.parameters()), outputs=False))
+    init, ref = _serial_mse_run(UsedInReverse)
     per_rank = run_distributed(_reverse_worker, 2, {}, init, placement, timeout=TIMEOUT)
     assert_matches_serial([r[2] for r in per_rank], ref)
     for before, after, _, ledger, resident in per_rank:
@@ -356,7 +362,9 @@ def _hidden_worker(rank, init, placement):
     torch.manual_seed(1)
     model = HiddenOutput()
     model.load_state_dict(init)
-    zero = dict(stage=3, chunk_size_mb=HIDDEN_CHUNK_MB, placement=placement)
+    # released at once after forward (no idle keep, no prefetch): the gradient finds it so
+    zero = dict(stage=3, chunk_size_mb=HIDDEN_CHUNK_MB, placement=placement, keep_gathered=0,
+                prefetch=0)
     engine, *_ = clt.initialize(model, make_optimizer(model.parameters()), _mse,
                                 config=dict(zero=zero))
     chunks = [[p is model.inp.weight for p in c.params] for c in engine.optimizer.manager.chunks]
@@ -367,11 +375,7 @@ def _hidden_worker(rank, init, placement):
 def test_gradient_arriving_while_its_chunk_is_released(placement):
     """A parameter whose gradient arrives without its module's backward hook (its chunk
     released after forward) re-gathers the chunk for its gradient: the trace equals serial."""
-    torch.manual_seed(1)
-    model = HiddenOutput()
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    ref = training_trace(model, _reverse_batch(), steps=STEPS, step_fn=plain_step(
-        _mse, make_optimizer(model.parameters()), outputs=False))
+    init, ref = _serial_mse_run(HiddenOutput)
     per_rank = run_distributed(_hidden_worker, 2, {}, init, placement, timeout=TIMEOUT)
     assert_matches_serial([r[1] for r in per_rank], ref)
     for chunks, _ in per_rank:

@@ -10,7 +10,7 @@ callers use it to choose what to evict. Local bookkeeping only: no communication
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 
 class Forecast:
@@ -49,9 +49,9 @@ class Forecast:
             if step != math.inf:   # 1..len: len means the recorded pass is over
                 self.cursor = (self.cursor + step) % len(self.order) + 1
 
-    def ahead(self) -> List[int]:
-        """The rest of the recorded pass after the cursor (no wrap-around)."""
-        return self.order[self.cursor:]
+    def ahead(self) -> Iterator[int]:
+        """The rest of the recorded pass after the cursor (no wrap-around; no copy)."""
+        return (self.order[i] for i in range(self.cursor, len(self.order)))
 
     def upcoming(self) -> Optional[int]:
         """The chunk the order expects next (None without an order)."""
