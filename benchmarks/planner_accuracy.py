@@ -51,7 +51,8 @@ from colossal_lite.config import ParallelLayout  # noqa: E402
 from colossal_lite.testing import run_distributed  # noqa: E402
 from colossal_lite.testing.distributed import ChildFailed  # noqa: E402
 
-WORLD, WARMUP, STEPS, ROUNDS = 4, 1, 3, 1
+WORLD, WARMUP, STEPS, ROUNDS, TOP_ROUNDS = 4, 2, 10, 1, 1
+TOP = 10   # the top plans: the fastest predicted that fit
 TEXT = dict(vocab_size=256, max_positions=64, dropout=0.0)
 MODELS = {  # (kind, size) -> (options, seq or None for ViT, global batch)
     ('gpt', 'small'): (dict(TEXT, hidden=64, layers=2, heads=4), 64, 8),
@@ -65,18 +66,20 @@ MODELS = {  # (kind, size) -> (options, seq or None for ViT, global batch)
 }
 
 
-def _l(p=1, t=1, mode=None, d=1):
-    return ParallelLayout(p, t, mode, 1, d)
-
-
-def layout_list(kind: str, layers: int):
-    """(candidate, checkpoint) of the swept layouts; sequence mode only where s splits."""
-    out = [Candidate(_l(d=4), 1), Candidate(_l(d=4), 1, checkpoint=True),
-           Candidate(_l(d=4), 2, zero=2), Candidate(_l(d=4), 1, zero=3),
-           Candidate(_l(t=4, mode='1d'), 1), Candidate(_l(t=4, mode='2d'), 1),
-           Candidate(_l(t=2, mode='1d', d=2), 1), Candidate(_l(p=2, d=2), 4, '1f1b')]
-    out += ([Candidate(_l(t=4, mode='sequence'), 1)] if kind != 'vit' else
-            [Candidate(_l(p=2, t=2, mode='1d'), 4, 'zero_bubble')])
+def layout_list(shape, batch: int, profile):
+    """The exhaustive sweep: every layout of ``WORLD`` ranks the model's sizes allow
+    (``search.layouts``: pipeline, data, each tensor family and size) with every ZeRO stage
+    it runs with and with and without checkpointing; for each such triple the micro-batch
+    count, schedule and partition the cost model ranks first (``profile``)."""
+    from colossal_lite.auto.search import candidates, layouts
+    best = {}
+    for layout in layouts(shape, WORLD, batch):
+        for cand in candidates(shape, layout, batch):
+            key = (layout, cand.zero, cand.checkpoint)
+            time = evaluate(shape, profile, cand, batch).step_time
+            if key not in best or time < best[key][0]:
+                best[key] = (time, cand)
+    out = [cand for _, cand in best.values()]
     return out[:int(os.environ.get('PLANNER_ACCURACY_LAYOUTS', len(out)))]  # for a dry run
 
 
@@ -112,28 +115,29 @@ def _worker(rank, kind, opts, seq, batch, steps, warmup):
                                 entry.loss())
     for _ in range(warmup):
         engine_step(engine, (x, y))
-    wall, cpu, start_data, growth = [], [], [], []
-    for _ in range(steps):
+    wall, cpu, growth = [], [], None
+    for _ in range(steps):  # nothing but the step between the clocks
         engine.zero_grad()
-        start_data.append(live_tensor_bytes() - base)
-        reset_peak()
-        before = rss_bytes()
         comm.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         engine_step(engine, (x, y))
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-        growth.append(peak_rss() - before)
+    engine.zero_grad()
+    start_data = live_tensor_bytes() - base
+    if steps:  # RSS growth over one step
+        reset_peak()
+        before = rss_bytes()
+        engine_step(engine, (x, y))
+        growth = peak_rss() - before
     # the allocator's record: the first recorded step frees buffers made before the record
     # (not seen), so steps 2-5 count; their floor (an async collective whose buffers gloo's
     # thread releases late keeps them past the peak, which is timing, not layout)
     def step():
         engine_step(engine, (x, y))
     engine.zero_grad()
-    start_data.append(live_tensor_bytes() - base)
     peaks = peak_allocated([step] + [engine.zero_grad, step] * 4)
-    return dict(wall=wall, cpu=cpu, start_data=max(start_data),
-                growth=statistics.median(growth) if growth else None,
+    return dict(wall=wall, cpu=cpu, start_data=start_data, growth=growth,
                 alloc_growth=min(peaks[2::2]), alloc_growth_steps=peaks[2::2],
                 end_data=live_tensor_bytes() - base)
 
@@ -154,20 +158,42 @@ def run_config(cand, shape, batch):
     return {k: config[k] for k in ('parallel', 'num_microbatches', 'zero') if k in config}
 
 
-def sweep(profile, models, rounds, checkpoint=None, steps=STEPS):
-    """Measure every (model, layout) ``rounds`` times, alternated: raw measurements (a
-    layout the runtime fails on keeps its error); ``checkpoint(raw)`` after each run;
+def budgets(predicted_peaks):
+    """(name, bytes) of the two memory budgets of a model: unlimited, and the median of its
+    layouts' predicted peaks (it excludes the hungrier half)."""
+    peaks = sorted(predicted_peaks)
+    return (('unlimited', float('inf')), ('tight', peaks[len(peaks) // 2]))
+
+
+def top_plans(estimates):
+    """Indices of the top plans of one model's layouts (``Estimate`` each): the ``TOP``
+    fastest predicted within each budget."""
+    out = set()
+    for _, budget in budgets(e.peak_memory for e in estimates):
+        fit = [i for i, e in enumerate(estimates) if e.peak_memory <= budget]
+        out.update(sorted(fit, key=lambda i: estimates[i].step_time)[:TOP])
+    return out
+
+
+def sweep(profile, models, rounds, checkpoint=None, steps=STEPS, top_rounds=0):
+    """Measure every (model, layout) ``rounds`` times and the top plans of each model
+    (:func:`top_plans`) ``top_rounds`` times more, alternating the order: raw measurements
+    (a layout the runtime fails on keeps its error); ``checkpoint(raw)`` after each run;
     ``steps`` = 0: memory only."""
-    jobs = []
+    jobs, top = [], []
     for key in models:
         opts, seq, batch = MODELS[key]
         shape = model_shape(key[0], None, seq=seq, **opts)
-        for cand in layout_list(key[0], opts['layers']):
-            jobs.append((key, shape, cand))
+        cands = layout_list(shape, batch, profile)
+        best = top_plans([evaluate(shape, profile, c, batch) for c in cands])
+        top += [len(jobs) + i for i in sorted(best)]
+        jobs += [(key, shape, cand) for cand in cands]
     measured, errors = {i: [] for i in range(len(jobs))}, {}
-    for r in range(rounds):
-        order = range(len(jobs)) if r % 2 == 0 else reversed(range(len(jobs)))
-        for i in order:
+    for r in range(rounds + top_rounds):
+        order = list(range(len(jobs))) if r < rounds else top
+        for i in (order if r % 2 == 0 else reversed(order)):
+            if i in errors:
+                continue
             key, shape, cand = jobs[i]
             opts, seq, batch = MODELS[key]
             o = dict(opts, checkpoint=True) if cand.checkpoint else opts
@@ -249,12 +275,12 @@ def analyse(records):
     out = []
     for key in dict.fromkeys((r['model'], r['size']) for r in records):
         rs = [r for r in records if (r['model'], r['size']) == key]
-        peaks = sorted(r['predicted_peak_bytes'] for r in rs)
-        for name, budget in (('unlimited', float('inf')), ('tight', peaks[len(peaks) // 2])):
+        for name, budget in budgets(r['predicted_peak_bytes'] for r in rs):
             fit = [r for r in rs if r['predicted_peak_bytes'] <= budget]
             valid = [r for r in rs if r['measured_peak_bytes'] <= budget]
             pred = [r['predicted_step_s'] for r in fit]
             meas = [r['measured_step_s'] for r in fit]
+            top = sorted(fit, key=lambda r: r['predicted_step_s'])[:TOP]
             pick = fit[min(range(len(fit)), key=lambda i: pred[i])]
             # older records measured RSS (above the allocator peaks predicted now): none
             # may fit the budget, then the regret is against the best that fits predicted
@@ -263,6 +289,14 @@ def analyse(records):
                       for r in fit]
             out.append(dict(model=key[0], size=key[1], budget=name, budget_bytes=budget,
                             layouts=len(fit), kendall_tau=kendall_tau(pred, meas),
+                            kendall_tau_top=kendall_tau(
+                                [r['predicted_step_s'] for r in top],
+                                [r['measured_step_s'] for r in top]),
+                            # the measurement against itself: the top plans' first two rounds
+                            kendall_tau_top_rounds=kendall_tau(
+                                *zip(*[r['measured_step_s_rounds'][:2] for r in top]))
+                            if all(len(r['measured_step_s_rounds']) > 1 for r in top)
+                            else float('nan'),
                             kendall_tau_cpu=kendall_tau(pred, [r['measured_cpu_s'] for r in fit]),
                             pick=pick['layout'], best=best['layout'],
                             pick_fits=pick['measured_peak_bytes'] <= budget,
@@ -310,7 +344,8 @@ def main():
             write_json('planner_accuracy', dict(
                 profile=profile.to_json(), raw=raw, load_average_before=load_before,
                 load_average_after=os.getloadavg(), measure_s=time.perf_counter() - start))
-        raw = sweep(profile, models, 1 if args.quick else ROUNDS, save)
+        raw = sweep(profile, models, 1 if args.quick else ROUNDS, save,
+                    top_rounds=0 if args.quick else TOP_ROUNDS)
         load_after = os.getloadavg()
         measured_s = time.perf_counter() - start
     records = predict(raw, profile)
@@ -325,16 +360,20 @@ def main():
                      f"{r['measured_peak_bytes'] / 2 ** 20:.1f}",
                      f"{r['memory_error'] * 100:+.0f}%"])
     print_table(rows)
-    rows = [['model', 'budget', 'n', 'tau', 'tau(cpu)', 'regret', 'step spread', 'max mem err',
+    rows = [['model', 'budget', 'n', 'tau', f'tau top {TOP}', 'rounds tau', 'tau(cpu)', 'regret',
+             'step spread', 'max mem err',
              'pick']]
     for s in summary:
         rows.append([f"{s['model']}-{s['size']}", s['budget'], s['layouts'],
-                     f"{s['kendall_tau']:.2f}", f"{s['kendall_tau_cpu']:.2f}",
+                     f"{s['kendall_tau']:.2f}", f"{s['kendall_tau_top']:.2f}",
+                     f"{s['kendall_tau_top_rounds']:.2f}",
+                     f"{s['kendall_tau_cpu']:.2f}",
                      f"{s['pick_regret'] * 100:.0f}%", f"{s['median_step_spread'] * 100:.0f}%",
                      f"{s['max_memory_error'] * 100:.1f}%", s['pick']])
     print_table(rows)
     path = write_json('planner_accuracy', dict(
-        world=WORLD, steps=STEPS, warmup=WARMUP, rounds=ROUNDS,
+        world=WORLD, steps=STEPS, warmup=WARMUP, rounds=ROUNDS, top=TOP,
+        top_rounds=TOP_ROUNDS,
         models={f'{k}-{s}': dict(options=o, seq=q, batch=b)
                 for (k, s), (o, q, b) in MODELS.items()},
         load_average_before=load_before, load_average_after=load_after,

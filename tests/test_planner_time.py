@@ -8,6 +8,7 @@
   stage / (ranks / cores))``; without cores in the profile the plain ``(M + P - 1)`` form;
 * a family's ``rest`` (embedding, head, loss beyond FLOPs) adds to every micro-batch;
 * a tensor family's seconds per FLOP are at least the serial block's divided by t;
+* a block takes the profile's timing of the nearest timed width (``profile.family_entry``);
 * ZeRO-3: the chunk count equals the runtime's search on real GPT/BERT/ViT builds; each chunk
   adds one all_gather latency per forward and backward and one reduce_scatter per micro-step.
 """
@@ -128,3 +129,74 @@ def test_zero3_chunks_equal_the_runtime_search_and_cost_a_latency_each(kind, opt
     # per micro-step: 2 all_gathers and 1 reduce_scatter per chunk
     expect = 2 * (2 * (real * 2e-3 + 1e-9 * n) + real * 3e-3 + 1e-9 * n)
     assert est.terms['gradient_sync'] == pytest.approx(expect)
+
+
+def test_a_block_takes_the_timing_of_the_nearest_timed_width():
+    """``profile.measure_families`` times blocks at several widths (``by_hidden``); the cost
+    model reads the one nearest the model's hidden size on a log scale."""
+    from colossal_lite.auto.profile import family_entry
+    narrow, wide = _entry(1e-3, 9e-11, rest=0.01), _entry(4e-3, 3e-11, rest=0.03)
+    family = {'none': {'1': dict(wide, by_hidden={'64': narrow, '128': wide})}}
+    compute = dict(family_blocks=family)
+    assert family_entry(compute, None, 1, 64) is narrow
+    assert family_entry(compute, None, 1, 90) is narrow      # log(90/64) < log(128/90)
+    assert family_entry(compute, None, 1, 91) is wide
+    assert family_entry(compute, None, 1, 768) is wide
+    assert family_entry(compute, '1d', 2, 64) is None
+    assert family_entry({'family_blocks': {'none': {'1': wide}}}, None, 1, 64) is wide
+    cand = Candidate(ParallelLayout(1, 1, None, 1, 4), 1)
+    small = model_shape('gpt', None, seq=64, vocab_size=256, max_positions=64, hidden=64,
+                        layers=2, heads=4, dropout=0.0)
+    for shape, entry in ((small, narrow), (SHAPE, wide)):
+        est = evaluate(shape, _profile(family), cand, 16)
+        flops = shape.block_flops(4 * 64)
+        assert est.terms['block_compute'] == pytest.approx(
+            entry['overhead'] + entry['seconds_per_flop'] * 3 * flops)
+        # the rest: half to the first part, half to the last, per micro-batch
+        only_blocks = evaluate(shape, _profile({'none': {'1': dict(entry, rest=0.0)}}), cand, 16)
+        assert (est.terms['pipeline'] - only_blocks.terms['pipeline'] == pytest.approx(
+            entry['rest']))
+
+
+def test_adam_step_costs_per_element_and_per_tensor_stepped():
+    """``cost.optimizer_time``: without ZeRO every local parameter tensor is one iteration of
+    torch's per-tensor AdamW loop; ZeRO-1/2 step one flat slice per bucket, ZeRO-3 one per
+    chunk; the elements are the rank's (ZeRO: its 1/D)."""
+    import model_zoo  # noqa: F401  (registers gpt)
+    from colossal_lite.models import get_model
+    per_tensor, per_param = 2e-5, 3e-9
+    prof = _profile({'none': {'1': _entry(1e-3, 4e-11)}}, adam_s_per_tensor=per_tensor,
+                    adam_s_per_param=per_param)
+    prof.collectives.update({'all_gather': {'4': {'intra': [1e-4, 1e-9]}},
+                             'reduce_scatter': {'4': {'intra': [1e-4, 1e-9]}}})
+    model = get_model('gpt').builder(vocab_size=256, max_positions=64, hidden=128, layers=4,
+                                     heads=4, dropout=0.0)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    data = ParallelLayout(1, 1, None, 1, 4)
+    for zero, tensors, elems in ((0, len(params), numel), (2, 1, numel / 4),
+                                 (3, zero3_chunks(SHAPE, 4), numel / 4)):
+        est = evaluate(SHAPE, prof, Candidate(data, 1, zero=zero), 16)
+        assert est.terms['optimizer'] == pytest.approx(per_tensor * tensors + per_param * elems)
+    # a pipeline: the busier rank (the first holds the embeddings, the last shares them)
+    pp = evaluate(SHAPE, prof, Candidate(ParallelLayout(2, 1, None, 1, 2), 2), 16)
+    assert pp.terms['optimizer'] < evaluate(SHAPE, prof, Candidate(data, 1), 16).terms['optimizer']
+
+
+def test_the_last_gradient_bucket_is_never_hidden_behind_the_backward():
+    """``cost.exposed_sync``: one bucket (a model under 25 MiB of gradients) starts after the
+    whole backward, fully exposed; with k buckets the first k - 1 overlap it."""
+    from colossal_lite.auto.cost import OVERLAP_SLOWDOWN, exposed_sync
+    mib = 2 ** 20
+    assert exposed_sync(0.010, 0.050, 4 * mib) == pytest.approx(0.010)
+    # 4 buckets, backward longer than the early three: only the last and the slowdown
+    assert exposed_sync(0.040, 0.050, 100 * mib) == pytest.approx(
+        0.010 + (OVERLAP_SLOWDOWN - 1) * 0.030)
+    # backward shorter than the early buckets: their remainder is exposed too
+    assert exposed_sync(0.040, 0.020, 100 * mib) == pytest.approx(
+        0.010 + 0.010 + (OVERLAP_SLOWDOWN - 1) * 0.020)
+    # in a step: a small data-parallel model pays its whole sync after the backward
+    prof = _profile({'none': {'1': _entry(1e-3, 4e-11)}})
+    est = evaluate(SHAPE, prof, Candidate(ParallelLayout(1, 1, None, 1, 4), 1), 16)
+    assert est.terms['gradient_sync'] > 0
+    assert est.terms['exposed_sync'] == pytest.approx(est.terms['gradient_sync'])

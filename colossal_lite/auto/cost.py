@@ -24,15 +24,17 @@ the step time. Formulas (docs/planner.md has them with their sources):
   tensor communication: ``formulas.block_bytes`` per block and micro-batch through the
   profile's α-β of the family's collective (a recompute repeats the forward half);
 * stage boundaries: one p2p of the activation shard per micro-batch and direction;
-* gradient sync: ``formulas.gradient_sync_bytes`` over the data group; overlapped with the
-  last micro-batch's backward without a pipeline (both slowed 1.3x while they overlap,
-  as Galvatron-BMW measures), exposed after the pipeline flush with one; ZeRO-3 pays a
+* gradient sync: ``formulas.gradient_sync_bytes`` over the data group; without a pipeline
+  all but the last 25 MiB bucket overlap the last micro-batch's backward (``exposed_sync``:
+  both slowed 1.3x while they overlap, as Galvatron-BMW measures), exposed after the
+  pipeline flush with one; ZeRO-3 pays a
   latency per chunk and call (``zero3_chunks``: the runtime's chunk search);
 * oversubscription ``s = ranks / cores`` of the profile (> 1: ranks time-share cores, and
   the measured block times carry it): a pipeline takes ``max(M * T, schedule time / s)``,
   the ranks waiting in the bubble freeing their cores for the computing ones;
 * step = pipeline time (bubble per schedule) + exposed gradient sync + the AdamW step on
-  the local (ZeRO: sharded) parameters (``compute['adam_s_per_param']`` when measured).
+  the local (ZeRO: sharded) parameters and tensors (``optimizer_time``: per element and per
+  tensor stepped, ``compute['adam_s_per_param']`` and ``['adam_s_per_tensor']``).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from .. import formulas
 from .cluster import ClusterProfile
 from .memory import RNG_STATE_BYTES, block_kept, mlp_gradient_bytes, rank_memory
 from .model_spec import ModelShape, layer_params
+from .profile import family_entry
 
 OVERLAP_SLOWDOWN = 1.3
 _block_bytes = lru_cache(maxsize=65536)(formulas.block_bytes)
@@ -208,13 +211,13 @@ def oversubscription(cluster: ClusterProfile) -> float:
     return max(1.0, float(ranks) / float(cores))
 
 
-def parts_overhead(cluster: ClusterProfile, layout) -> float:
+def parts_overhead(cluster: ClusterProfile, layout, hidden: int) -> float:
     """Forward + backward seconds per micro-batch of the first and last parts (embedding,
     head, loss) beyond their FLOPs: the family's measured ``rest`` (``family_blocks``, the
     1-block model minus its block at a small vocabulary: dispatch and the vocab-parallel
-    collectives' latencies), 0 without one."""
+    collectives' latencies; the timed width nearest ``hidden``), 0 without one."""
     t = layout.tensor if layout.mode else 1
-    entry = cluster.compute.get('family_blocks', {}).get(layout.mode or 'none', {}).get(str(t))
+    entry = family_entry(cluster.compute, layout.mode, t, hidden)
     return float(entry.get('rest', 0.0)) if entry else 0.0
 
 
@@ -222,17 +225,17 @@ def block_time(shape: ModelShape, cluster: ClusterProfile, layout, tokens: float
                comm_bytes: float) -> Tuple[float, float]:
     """(forward compute seconds, forward + backward tensor-communication seconds) of one
     block on ``tokens`` tokens of a replica micro-batch. A profile that timed real blocks of
-    this family and size (``compute['family_blocks']``, ``profile.measure_families``) gives
+    this family and size (``compute['family_blocks']``, ``profile.measure_families``; the
+    timed width nearest the model's, ``profile.family_entry``) gives
     ``overhead + seconds_per_flop * 3 * FLOPs`` for the whole block, collectives included
     (returned as forward = a third, communication 0); otherwise FLOPs / t / ``flops`` plus
     ``compute['block_overhead_s'] / 3`` and the α-β time of ``comm_bytes``."""
     t = layout.tensor if layout.mode else 1
     flops = shape.block_flops(tokens)
-    table = cluster.compute.get('family_blocks', {})
-    entry = table.get(layout.mode or 'none', {}).get(str(t))
+    entry = family_entry(cluster.compute, layout.mode, t, shape.hidden)
     if entry is not None:
         per_flop = entry['seconds_per_flop']
-        serial = table.get('none', {}).get('1')
+        serial = family_entry(cluster.compute, None, 1, shape.hidden)
         if serial is not None and t > 1:  # a rank's FLOP share runs no faster than serial
             per_flop = max(per_flop, serial['seconds_per_flop'] / t)
         return (entry['overhead'] + per_flop * 3 * flops) / 3, 0.0
@@ -260,7 +263,7 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     kept = block_kept(shape, l, micro, elem)
 
     f_head = shape.head_flops(micro) / t / cluster.flops
-    part_fixed = parts_overhead(cluster, l) / 2  # per part (first, last), fwd + bwd
+    part_fixed = parts_overhead(cluster, l, shape.hidden) / 2  # per part (first, last), fwd + bwd
     comm_block = _block_bytes(l.mode, t, micro, shape.seq, shape.hidden,
                               shape.mlp_ratio, l.depth, elem)
     f_block, c_block = block_time(shape, cluster, l, tokens, comm_block)
@@ -311,16 +314,60 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
         model_data = [n * (data_whole + data_sharded / d) for n in params_rank]
         chunks = zero3_chunks(shape, d) if zero == 3 else 1
         sync = _gradient_sync(cluster, l, this, max(params_rank), elem, chunks)
-        if p == 1 and zero in (0, 2):
-            exposed = max(0.0, sync - bwd[0]) + (OVERLAP_SLOWDOWN - 1) * min(sync, bwd[0])
-        else:
-            exposed = sync
-        updated = max(params_rank) / (d if zero else 1)
-        optimizer = float(cluster.compute.get('adam_s_per_param', 0.0)) * updated
+        exposed = exposed_sync(sync, bwd[0], max(params_rank) * elem) if (
+            p == 1 and zero in (0, 2)) else sync
+        optimizer = optimizer_time(cluster, shape, params_rank, parts, p * v > 1, zero, d,
+                                   chunks)
         terms = dict(shared, gradient_sync=sync, exposed_sync=exposed, model_data=model_data,
                      optimizer=optimizer, memory_buffers=buffers)
         out.append(Estimate(this, pipe + exposed + optimizer, memory, stage_time, terms))
     return out
+
+
+ZERO_BUCKET_BYTES = 25 * 2 ** 20   # ``zero.bucket_mb``'s default: ZeRO-1/2's flat buckets
+GRADIENT_BUCKET_BYTES = 25 * 2 ** 20   # the data-parallel gradient handler's buckets
+
+
+def exposed_sync(sync: float, backward: float, grad_bytes: float,
+                 bucket_bytes: int = GRADIENT_BUCKET_BYTES) -> float:
+    """Seconds of a gradient sync of ``sync`` seconds not hidden behind the last micro-batch's
+    ``backward``: the gradients go in ``k = ceil(grad_bytes / bucket_bytes)`` buckets, each
+    started when its last gradient is ready, so the last bucket's share ``sync / k`` always
+    follows the backward; the earlier ``(k - 1) / k`` overlap it, both slowed
+    ``OVERLAP_SLOWDOWN``x while they do."""
+    k = max(1, -(-int(grad_bytes) // bucket_bytes))
+    early = sync * (k - 1) / k
+    return (sync - early + max(0.0, early - backward)
+            + (OVERLAP_SLOWDOWN - 1) * min(early, backward))
+
+
+def optimizer_time(cluster: ClusterProfile, shape: ModelShape, params_rank: Sequence[float],
+                   parts, pipelined: bool, zero: int, data: int, chunks: int) -> float:
+    """Seconds of the AdamW step on the busiest rank: ``compute['adam_s_per_param']`` per
+    element it updates (ZeRO: its 1/D) plus ``compute['adam_s_per_tensor']`` per tensor it
+    steps (torch's per-tensor loop on CPU): without ZeRO every local parameter tensor,
+    ZeRO-1/2 one flat slice per ``ZERO_BUCKET_BYTES`` bucket, ZeRO-3 one per chunk."""
+    per_param = float(cluster.compute.get('adam_s_per_param', 0.0))
+    per_tensor = float(cluster.compute.get('adam_s_per_tensor', 0.0))
+    block, first, last = part_tensors(shape, pipelined)
+    out = 0.0
+    for n, (blocks, _, has_first, has_last) in zip(params_rank, parts):
+        if zero == 0:
+            tensors = blocks * block + has_first * first + has_last * last
+        elif zero == 3:
+            tensors = chunks
+        else:
+            tensors = -(-int(n) * 4 // ZERO_BUCKET_BYTES)
+        out = max(out, per_param * n / (data if zero else 1) + per_tensor * tensors)
+    return out
+
+
+@lru_cache(maxsize=256)
+def part_tensors(shape: ModelShape, pipelined: bool) -> Tuple[int, int, int]:
+    """Parameter tensors of a block, of the first part and of the last part (a tensor
+    parallel rank holds a shard of each: the same count)."""
+    return (len(_tensor_numels(shape.block_layers())), len(_tensor_numels(shape.first_layers())),
+            len(_tensor_numels(shape.last_layers(pipelined))))
 
 
 def _tensor_numels(layers) -> List[int]:

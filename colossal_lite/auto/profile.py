@@ -74,7 +74,9 @@ def _time_collectives(rank: int, sizes: Sequence[int], repeats: int) -> Dict[str
     from ..context import ParallelMode, global_context as gpc
     from .. import communication as comm
     comm.barrier()
-    out: Dict[str, dict] = {'block': measure_block(), 'adam_s_per_param': measure_adam()}
+    per_tensor, per_param = measure_adam()
+    out: Dict[str, dict] = {'block': measure_block(), 'adam_s_per_param': per_param,
+                            'adam_s_per_tensor': per_tensor}
     for mode in (ParallelMode.PARALLEL_1D, ParallelMode.GLOBAL):
         axis = gpc.axis(mode)
         for op in OPS:
@@ -122,23 +124,38 @@ def measure_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS
             worst = [max(r[op][p][i][1] for r in results) for i in range(len(points))]
             alpha, beta = fit_alpha_beta([n for n, _ in points], worst)
             table.setdefault(op, {})[p] = {'intra': [alpha, beta]}
-    return table, [dict(r['block'], adam_s_per_param=r['adam_s_per_param']) for r in results]
+    return table, [dict(r['block'], adam_s_per_param=r['adam_s_per_param'],
+                        adam_s_per_tensor=r['adam_s_per_tensor']) for r in results]
 
 
-def measure_adam(params: int = 1 << 20, tensors: int = 16, repeats: int = 5) -> float:
-    """Seconds per parameter of a ``torch.optim.AdamW`` step on ``params`` elements in
-    ``tensors`` tensors (the fastest of ``repeats``)."""
-    weights = [torch.nn.Parameter(torch.zeros(params // tensors)) for _ in range(tensors)]
-    for w in weights:
-        w.grad = torch.ones_like(w)
-    opt = torch.optim.AdamW(weights, lr=1e-3)
-    opt.step()  # allocates the moments
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return min(times) / params
+ADAM_SHAPES = ((4, 1 << 20), (16, 1 << 18), (64, 1 << 14), (256, 1 << 14))  # (tensors, elems)
+
+
+def measure_adam(shapes: Sequence[Tuple[int, int]] = ADAM_SHAPES, repeats: int = 7
+                 ) -> Tuple[float, float]:
+    """(seconds per tensor, seconds per element) of a ``torch.optim.AdamW`` step: timed on
+    each (tensors, elements) of ``shapes`` (the median of ``repeats``) and fitted by least
+    squares in relative error, ``t = per_tensor * tensors + per_element * elements`` (torch's
+    per-tensor loop on CPU costs about as much as a few thousand elements)."""
+    rows, times = [], []
+    for tensors, elems in shapes:
+        weights = [torch.nn.Parameter(torch.zeros(elems // tensors)) for _ in range(tensors)]
+        for w in weights:
+            w.grad = torch.ones_like(w)
+        opt = torch.optim.AdamW(weights, lr=1e-3)
+        opt.step()  # allocates the moments
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            opt.step()
+            samples.append(time.perf_counter() - start)
+        rows.append((tensors, elems))
+        times.append(statistics.median(samples))
+    w = [1.0 / t for t in times]
+    a = torch.tensor([[wi * n, wi * e] for wi, (n, e) in zip(w, rows)], dtype=torch.float64)
+    y = torch.tensor([wi * t for wi, t in zip(w, times)], dtype=torch.float64).unsqueeze(1)
+    per_tensor, per_elem = torch.linalg.lstsq(a, y).solution.squeeze(1).tolist()
+    return max(0.0, per_tensor), max(1e-15, per_elem)
 
 
 def _gpt(**options):
@@ -183,62 +200,90 @@ def measure_block(hidden: int = 128, heads: int = 4, seq: int = 64,
 
 FAMILY_LAYOUTS = ((None, 1), ('1d', 2), ('1d', 4), ('2d', 4), ('sequence', 2), ('sequence', 4))
 FAMILY_MODEL = dict(vocab_size=256, max_positions=64, hidden=128, heads=4, dropout=0.0)
-FAMILY_BATCHES = (2, 4, 8)   # samples per data replica (2D splits it by q = 2)
+FAMILY_HIDDENS = (64, 128)   # block widths timed: the cost model takes the nearest (log scale)
+FAMILY_BATCHES = (2, 4, 8, 16)   # samples per data replica (2D splits it by q = 2)
+FAMILY_REPEATS = 7
 
 
-def _time_family(rank: int, batches: Sequence[int], repeats: int) -> Dict[str, float]:
-    """Forward + backward seconds of a 1- and a 2-block GPT (``FAMILY_MODEL``) built for the
-    launched layout, per ``'layers,batch'`` (``batch`` samples per data replica; the fastest
-    of ``repeats`` after a warm-up, every rank stepping at once after a barrier)."""
+def _time_family(rank: int, hiddens: Sequence[int], batches: Sequence[int], repeats: int
+                 ) -> Dict[str, List[float]]:
+    """Forward + backward seconds of a 1- and a 2-block GPT (``FAMILY_MODEL`` at each of
+    ``hiddens``) built for the launched layout, per ``'hidden,layers,batch'`` (``batch``
+    samples per data replica): ``repeats`` timings after a warm-up, every rank stepping at
+    once after a barrier, the 1- and 2-block models alternated so that both see the same
+    load."""
     torch.set_num_threads(1)
     from .. import communication as comm
-    out = {}
-    for layers in (1, 2):
+    out: Dict[str, List[float]] = {}
+    for hidden in hiddens:
         torch.manual_seed(0)
-        model = _gpt(layers=layers, **FAMILY_MODEL)
+        models = {layers: _gpt(layers=layers, **dict(FAMILY_MODEL, hidden=hidden))
+                  for layers in (1, 2)}
         for b in batches:  # a data replica's b samples (its tensor ranks all see them)
             ids = torch.randint(0, FAMILY_MODEL['vocab_size'], (b, 64),
                                 generator=torch.Generator().manual_seed(b))
-            times = []
             for i in range(repeats + 1):
-                comm.barrier()
-                start = time.perf_counter()
-                model(ids).float().sum().backward()
-                if i:
-                    times.append(time.perf_counter() - start)
-            out[f'{layers},{b}'] = min(times)
+                for layers, model in models.items():
+                    comm.barrier()
+                    start = time.perf_counter()
+                    model(ids).float().sum().backward()
+                    if i:
+                        out.setdefault(f'{hidden},{layers},{b}', []).append(
+                            time.perf_counter() - start)
     return out
 
 
 def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BATCHES,
-                     repeats: int = REPEATS, world: int = 4) -> Dict[str, Dict[str, dict]]:
+                     repeats: int = FAMILY_REPEATS, world: int = 4,
+                     hiddens: Sequence[int] = FAMILY_HIDDENS) -> Dict[str, Dict[str, dict]]:
     """Per tensor family and size t on ``world`` forked ranks (data = world / t): one real
     block's forward + backward, tensor-parallel collectives included, as the difference of a
-    2-block and a 1-block model (the slowest rank), at 2, 4 and 8 samples per replica,
-    fitted by
+    2-block and a 1-block model (per repeat the slowest rank, the median over repeats), at
+    2 to 16 samples per replica and each width of ``hiddens``, fitted by
     :func:`fit_alpha_beta` against the block's FLOPs: ``overhead`` (seconds per block and
     micro-batch whatever its size: Python, dispatch, the collectives' latencies) and
     ``seconds_per_flop``; and ``rest``: the 1-block model minus its block (embedding, head,
-    loss) at the smallest batch. ``{mode or 'none': {str(t): {...}}}``."""
+    loss) at the smallest batch. ``{mode or 'none': {str(t): {...}}}``, the entry of the
+    widest block with ``by_hidden``: ``{str(hidden): entry}`` (:func:`family_entry`)."""
     from ..testing import run_distributed
     from .model_spec import ModelShape
-    shape = ModelShape('gpt', None, tuple(sorted(dict(FAMILY_MODEL, layers=1).items())), 64)
     table: Dict[str, Dict[str, dict]] = {}
     for mode, t in layouts:
         parallel = dict(data=world // t)
         if mode:
             parallel['tensor'] = dict(size=t, mode=mode)
         per_rank = run_distributed(_time_family, world, dict(parallel=parallel),
-                                   tuple(batches), repeats, timeout=300)
-        worst = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-        flops = [3 * shape.block_flops(b * 64) for b in batches]  # per replica
-        block = [max(worst[f'2,{b}'] - worst[f'1,{b}'], 1e-6) for b in batches]
-        overhead, per_flop = fit_alpha_beta(flops, block)
-        table.setdefault(mode or 'none', {})[str(t)] = dict(
-            overhead=overhead, seconds_per_flop=per_flop, block_s=block,
-            batches=list(batches), rest=max(0.0, worst[f'1,{batches[0]}'] - block[0]),
-            per_replica=True)
+                                   tuple(hiddens), tuple(batches), repeats, timeout=600)
+        by_hidden = {}
+        for hidden in hiddens:
+            def median_slowest(layers, b):  # repeats line up across ranks (a barrier each)
+                key = f'{hidden},{layers},{b}'
+                return statistics.median(max(r[key][i] for r in per_rank)
+                                         for i in range(repeats))
+            shape = ModelShape('gpt', None, tuple(sorted(dict(FAMILY_MODEL, hidden=hidden,
+                                                              layers=1).items())), 64)
+            flops = [3 * shape.block_flops(b * 64) for b in batches]  # per replica
+            one = [median_slowest(1, b) for b in batches]
+            block = [max(median_slowest(2, b) - o, 1e-6) for b, o in zip(batches, one)]
+            overhead, per_flop = fit_alpha_beta(flops, block)
+            by_hidden[str(hidden)] = dict(
+                overhead=overhead, seconds_per_flop=per_flop, block_s=block,
+                batches=list(batches), rest=max(0.0, one[0] - block[0]), per_replica=True)
+        widest = by_hidden[str(max(hiddens))]
+        table.setdefault(mode or 'none', {})[str(t)] = dict(widest, by_hidden=by_hidden)
     return table
+
+
+def family_entry(compute: dict, mode, t: int, hidden: int):
+    """The profile's timing of a ``mode`` block on t ranks (``compute['family_blocks']``)
+    for blocks of width ``hidden``: the timed width nearest on a log scale (``by_hidden``),
+    or the one entry a profile without widths has; None when the family was not timed."""
+    entry = compute.get('family_blocks', {}).get(mode or 'none', {}).get(str(t))
+    if entry is None or 'by_hidden' not in entry:
+        return entry
+    import math
+    widths = sorted(entry['by_hidden'], key=lambda w: abs(math.log(int(w) / hidden)))
+    return entry['by_hidden'][widths[0]]
 
 
 def refit_family_blocks(table: Dict[str, Dict[str, dict]], world: int = 4
@@ -275,6 +320,8 @@ def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
                           collectives=collectives,
                           compute={'blocks_per_rank': blocks, 'adam_s_per_param':
                                    statistics.median(b['adam_s_per_param'] for b in blocks),
+                                   'adam_s_per_tensor':
+                                   statistics.median(b['adam_s_per_tensor'] for b in blocks),
                                    'block_overhead_s':
                                    statistics.median(b['overhead'] for b in blocks),
                                    'family_blocks': measure_families(),
