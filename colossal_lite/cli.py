@@ -144,7 +144,8 @@ def run_local_workers(nproc: int, port: int, entrypoint, *entry_args, what: str 
                       max_restarts: int = 0) -> int:
     """Run ``entrypoint(*entry_args)`` on ``nproc`` local processes through torch's elastic
     launcher (``OMP_NUM_THREADS=1``, rendezvous on ``127.0.0.1:port``); the exit status: 0,
-    1 when a worker failed (one line per failed rank on stderr), 130 on Ctrl-C."""
+    1 when a worker failed (one line per failed rank on stderr), 130 on Ctrl-C. Meanwhile
+    ``kill -USR1`` on the launcher or on a worker prints that process's stacks on stderr."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -155,9 +156,10 @@ def run_local_workers(nproc: int, port: int, entrypoint, *entry_args, what: str 
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend='c10d', rdzv_endpoint=f'127.0.0.1:{port}', max_restarts=max_restarts,
         monitor_interval=0.2, start_method=start_method())
-    from .failures import FirstExit, failure_message, run_worker
+    from .failures import FirstExit, failure_message, run_worker, stacks_on_sigusr1
     try:
-        with FirstExit() as first_exit, _fresh_store_per_attempt(max_restarts):
+        with FirstExit() as first_exit, _fresh_store_per_attempt(max_restarts), \
+                stacks_on_sigusr1():
             elastic_launch(launch_config, run_worker)(entrypoint, *entry_args)
     except ChildFailedError as err:
         print(f'colossal-lite: {what} stopped, every process was ended:\n'

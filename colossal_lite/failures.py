@@ -22,6 +22,8 @@ only lost their connections).
 """
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import os
 import shutil
@@ -32,6 +34,22 @@ from typing import List, Optional, Tuple
 _PID_FILE = 'pid'
 _PID_DIR_ENV = 'COLOSSAL_LITE_WORKER_PIDS'
 REAPED = 'reaped'          # FirstExit status: the launcher reaped it before we looked
+
+
+@contextlib.contextmanager
+def stacks_on_sigusr1():
+    """While inside, ``kill -USR1 PID`` makes this process print every thread's Python stack
+    on file descriptor 2 (``faulthandler``; the workers forked inside inherit it from their
+    first instruction on), so a hung run can tell where each process waits. A SIGUSR1
+    handler that is already set is left alone."""
+    if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:
+        yield
+        return
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)  # fd 2: also under capture
+    try:
+        yield
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
 
 
 def run_worker(entrypoint, *args):
