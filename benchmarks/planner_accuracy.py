@@ -1,26 +1,31 @@
 """Predicted vs measured step time and peak memory of the planner's layouts on this machine.
 
 1. Profile: ``colossal_lite.auto.profile.measure`` (α-β of gloo collectives on 4 forked ranks,
-   small messages included; one block's FLOP rate and fixed per-block overhead).
-2. For GPT, BERT (no NSP head) and ViT at two sizes each, every layout of a fixed list on 4
-   ranks -- data, ZeRO 1/2/3, checkpointing, 1D/2D/sequence tensor and their mixes with
-   data, pipeline (1F1B, GPipe, zero bubble) -- runs the real engine (``initialize`` +
+   small messages included; AdamW per tensor and per element; real blocks of each tensor
+   family at two widths, ``measure_families``).
+2. For GPT, BERT (no NSP head) and ViT at two sizes each, the exhaustive sweep
+   (``layout_list``): every layout of 4 ranks the model's sizes allow -- pipeline, data,
+   1D/2D/sequence tensor and their mixes -- with every ZeRO stage it runs with and with and
+   without checkpointing, each with the micro-batch count and schedule the cost model ranks
+   first for it (28-36 per model). Each runs the real engine (``initialize`` +
    ``execute_schedule`` + ``step``, AdamW) on 4 forked gloo ranks. Per rank and step:
-   wall and CPU (``time.process_time``) seconds; memory as the planner defines it
-   (docs/planner.md): ``measured peak = live tensor bytes after zero_grad + the peak of the
-   bytes the allocator hands out during a step`` (``testing.memory.peak_allocated``, the
-   floor of four recorded steps; model data + gradients + activations + transients,
-   without the torch runtime), next to the former ``live bytes + peak RSS growth``
-   (``measured_peak_rss_bytes``: adds allocator slack and gloo's buffers); and the live
-   tensor bytes after the step (model data, compared exactly).
-   Layouts are measured in ``ROUNDS`` rounds (every layout once per round, the order
-   reversed every other round; 1 by default to stay within ~15 minutes); the step time of
-   a layout is the median over rounds of (median over steps of the slowest rank). A layout
-   the runtime fails on is recorded with its error and left out of the analysis.
-3. Per (model, size) two budgets -- unlimited, and one between the predicted peaks that
-   excludes the hungrier layouts: Kendall τ between predicted and measured step time of the
-   layouts that fit, the planner's pick (fastest predicted that fits) against the best
-   measured that fits.
+   wall and CPU (``time.process_time``) seconds of ``STEPS`` steps after ``WARMUP``; memory
+   as the planner defines it (docs/planner.md): ``measured peak = live tensor bytes after
+   zero_grad + the peak of the bytes the allocator hands out during a step``
+   (``testing.memory.peak_allocated``, the floor of four recorded steps; model data +
+   gradients + activations + transients, without the torch runtime), next to the former
+   ``live bytes + peak RSS growth`` over one step (``measured_peak_rss_bytes``: adds
+   allocator slack and gloo's buffers); and the live tensor bytes after the step (model
+   data, compared exactly). Every layout is measured once (``ROUNDS``) and the top plans of
+   each model (``top_plans``: the ``TOP`` fastest predicted within each budget) once more
+   (``TOP_ROUNDS``, in reverse order); the step time of a layout is the median over its
+   runs of (median over steps of the slowest rank). A layout the runtime fails on is
+   recorded with its error and left out of the analysis.
+3. Per (model, size) two budgets -- unlimited, and the median predicted peak (it excludes
+   the hungrier half): Kendall τ between predicted and measured step time of all the
+   layouts that fit and of the top plans, the measurement's own τ (the top plans' two
+   runs), the planner's pick (fastest predicted that fits) against the best measured that
+   fits.
 
 Run: ``PYTHONPATH=. python benchmarks/planner_accuracy.py [--quick | --memory-only]`` ->
 benchmarks/results/planner_accuracy.json (written after every run: measurements and
@@ -142,15 +147,24 @@ def _worker(rank, kind, opts, seq, batch, steps, warmup):
                 end_data=live_tensor_bytes() - base)
 
 
-def kendall_tau(a, b) -> float:
-    n, score = len(a), 0
+def kendall_tau(a, b, tie: float = 0.0) -> float:
+    """Kendall's τ of predicted ``a`` against measured ``b``; with ``tie`` > 0, τ-b with the
+    measured pairs closer than ``tie`` (relative) counted as ties: pairs the measurement
+    itself does not order (its run-to-run spread) neither agree nor disagree."""
+    n, score, ties_a, ties_b = len(a), 0, 0, 0
     if n < 2:
         return float('nan')
     for i in range(n):
         for j in range(i + 1, n):
             x, y = a[i] - a[j], b[i] - b[j]
+            if abs(y) <= tie * min(b[i], b[j]):
+                y = 0.0
+            ties_a += x == 0
+            ties_b += y == 0
             score += (x * y > 0) - (x * y < 0)
-    return score / (n * (n - 1) / 2)
+    pairs = n * (n - 1) / 2
+    denominator = ((pairs - ties_a) * (pairs - ties_b)) ** 0.5
+    return score / denominator if denominator else float('nan')
 
 
 def run_config(cand, shape, batch):
@@ -281,6 +295,11 @@ def analyse(records):
             pred = [r['predicted_step_s'] for r in fit]
             meas = [r['measured_step_s'] for r in fit]
             top = sorted(fit, key=lambda r: r['predicted_step_s'])[:TOP]
+            twice = [r['measured_step_s_rounds'][:2] for r in top
+                     if len(r['measured_step_s_rounds']) > 1]
+            # the measurement's repeatability: the median relative gap of a layout's two runs
+            noise = (statistics.median(abs(x - y) / min(x, y) for x, y in twice) if twice
+                     else 0.0)
             pick = fit[min(range(len(fit)), key=lambda i: pred[i])]
             # older records measured RSS (above the allocator peaks predicted now): none
             # may fit the budget, then the regret is against the best that fits predicted
@@ -292,6 +311,10 @@ def analyse(records):
                             kendall_tau_top=kendall_tau(
                                 [r['predicted_step_s'] for r in top],
                                 [r['measured_step_s'] for r in top]),
+                            run_to_run=noise,
+                            kendall_tau_top_ties=kendall_tau(
+                                [r['predicted_step_s'] for r in top],
+                                [r['measured_step_s'] for r in top], tie=noise),
                             # the measurement against itself: the top plans' first two rounds
                             kendall_tau_top_rounds=kendall_tau(
                                 *zip(*[r['measured_step_s_rounds'][:2] for r in top]))
@@ -360,12 +383,14 @@ def main():
                      f"{r['measured_peak_bytes'] / 2 ** 20:.1f}",
                      f"{r['memory_error'] * 100:+.0f}%"])
     print_table(rows)
-    rows = [['model', 'budget', 'n', 'tau', f'tau top {TOP}', 'rounds tau', 'tau(cpu)', 'regret',
+    rows = [['model', 'budget', 'n', 'tau', f'tau top {TOP}', 'ties', 'run-to-run',
+             'rounds tau', 'tau(cpu)', 'regret',
              'step spread', 'max mem err',
              'pick']]
     for s in summary:
         rows.append([f"{s['model']}-{s['size']}", s['budget'], s['layouts'],
                      f"{s['kendall_tau']:.2f}", f"{s['kendall_tau_top']:.2f}",
+                     f"{s['kendall_tau_top_ties']:.2f}", f"{s['run_to_run'] * 100:.1f}%",
                      f"{s['kendall_tau_top_rounds']:.2f}",
                      f"{s['kendall_tau_cpu']:.2f}",
                      f"{s['pick_regret'] * 100:.0f}%", f"{s['median_step_spread'] * 100:.0f}%",
