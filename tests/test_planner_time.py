@@ -200,3 +200,26 @@ def test_the_last_gradient_bucket_is_never_hidden_behind_the_backward():
     est = evaluate(SHAPE, prof, Candidate(ParallelLayout(1, 1, None, 1, 4), 1), 16)
     assert est.terms['gradient_sync'] > 0
     assert est.terms['exposed_sync'] == pytest.approx(est.terms['gradient_sync'])
+
+
+def test_zero3_prefetched_gathers_hide_behind_the_previous_chunks_compute():
+    """``cost.zero3_exposed``: per pass the first chunk's all_gather waits whole; each later
+    one overlaps the compute of the chunk before it (slowed 1.3x while it does); with no
+    compute to hide behind every gather is exposed, as ``gradient_sync`` counts them."""
+    from colossal_lite.auto.cost import OVERLAP_SLOWDOWN, zero3_exposed
+    prof = _profile({}, ranks=4, cores=2)
+    prof.collectives.update({'all_gather': {'4': {'intra': [2e-3, 1e-9]}},
+                             'reduce_scatter': {'4': {'intra': [3e-3, 1e-9]}}})
+    layout = ParallelLayout(1, 1, None, 1, 4)
+    nbytes, chunks, m = 8e6, 5, 2
+    g, r = 2e-3 + 1e-9 * nbytes / chunks, 3e-3 + 1e-9 * nbytes / chunks
+    scatter = m * chunks * r
+    assert zero3_exposed(prof, layout, m, nbytes, chunks, 0.0, 0.0) == pytest.approx(
+        scatter + 2 * m * chunks * g)
+    # compute per chunk longer than a gather: only the slowdown of the overlapped ones
+    slow = 1.0
+    assert zero3_exposed(prof, layout, m, nbytes, chunks, slow, slow) == pytest.approx(
+        scatter + 2 * m * (g + (chunks - 1) * (OVERLAP_SLOWDOWN - 1) * g))
+    # in a step: gradient_sync keeps the whole traffic, the step pays the exposed part
+    est = evaluate(SHAPE, prof, Candidate(layout, 1, zero=3), 16)
+    assert est.terms['exposed_sync'] < est.terms['gradient_sync']

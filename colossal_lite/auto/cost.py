@@ -28,7 +28,8 @@ the step time. Formulas (docs/planner.md has them with their sources):
   all but the last 25 MiB bucket overlap the last micro-batch's backward (``exposed_sync``:
   both slowed 1.3x while they overlap, as Galvatron-BMW measures), exposed after the
   pipeline flush with one; ZeRO-3 pays a
-  latency per chunk and call (``zero3_chunks``: the runtime's chunk search);
+  latency per chunk and call (``zero3_chunks``: the runtime's chunk search), its
+  prefetched all_gathers overlapping the previous chunk's compute (``zero3_exposed``);
 * oversubscription ``s = ranks / cores`` of the profile (> 1: ranks time-share cores, and
   the measured block times carry it): a pipeline takes ``max(M * T, schedule time / s)``,
   the ranks waiting in the bubble freeing their cores for the computing ones;
@@ -314,8 +315,13 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
         model_data = [n * (data_whole + data_sharded / d) for n in params_rank]
         chunks = zero3_chunks(shape, d) if zero == 3 else 1
         sync = _gradient_sync(cluster, l, this, max(params_rank), elem, chunks)
-        exposed = exposed_sync(sync, bwd[0], max(params_rank) * elem) if (
-            p == 1 and zero in (0, 2)) else sync
+        if zero == 3:
+            exposed = zero3_exposed(cluster, l, m, max(params_rank) * elem, chunks, fwd[0],
+                                    bwd[0])
+        elif p == 1 and zero in (0, 2):
+            exposed = exposed_sync(sync, bwd[0], max(params_rank) * elem)
+        else:
+            exposed = sync
         optimizer = optimizer_time(cluster, shape, params_rank, parts, p * v > 1, zero, d,
                                    chunks)
         terms = dict(shared, gradient_sync=sync, exposed_sync=exposed, model_data=model_data,
@@ -368,6 +374,26 @@ def part_tensors(shape: ModelShape, pipelined: bool) -> Tuple[int, int, int]:
     parallel rank holds a shard of each: the same count)."""
     return (len(_tensor_numels(shape.block_layers())), len(_tensor_numels(shape.first_layers())),
             len(_tensor_numels(shape.last_layers(pipelined))))
+
+
+def zero3_exposed(cluster: ClusterProfile, layout, microbatches: int, nbytes: float,
+                  chunks: int, forward: float, backward: float) -> float:
+    """Seconds ZeRO-3's traffic adds to a step (``nbytes`` of local parameters in ``chunks``
+    chunks): each chunk's reduce_scatter per micro-step, exposed; and per pass (the forward
+    and the backward of each micro-batch, ``forward`` / ``backward`` seconds) one all_gather
+    ``g`` per chunk, prefetched one chunk ahead (``zero.prefetch``): the first waits whole,
+    each later one overlaps the compute of the chunk before it (``pass / chunks``), both
+    slowed ``OVERLAP_SLOWDOWN``x while they overlap."""
+    stride, size = layout.tensor, layout.data
+    one = nbytes / chunks
+    gather = cluster.group_time('all_gather', one, stride, size)
+    scatter = microbatches * chunks * cluster.group_time('reduce_scatter', one, stride, size)
+
+    def exposed(compute: float) -> float:
+        per_chunk = compute / chunks
+        return gather + (chunks - 1) * (max(0.0, gather - per_chunk)
+                                        + (OVERLAP_SLOWDOWN - 1) * min(gather, per_chunk))
+    return scatter + microbatches * (exposed(forward) + exposed(backward))
 
 
 def _tensor_numels(layers) -> List[int]:

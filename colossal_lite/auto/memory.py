@@ -31,8 +31,10 @@ V the head's outputs per token):
   transform's dense, GELU and LayerNorm outputs; /t outside none/1D/sequence; 2D/2.5D:
   the classifier's SUMMA backward blocks); in a block's backward, the gradients of its
   MLP hidden ``2 n r h`` (/t but for none; 2D/2.5D: fc1's SUMMA backward blocks);
-  pipelined, the received activation or gradient ``n h``; checkpointed, the recomputed
-  block with every later gradient when that is larger;
+  pipelined, the received activation or gradient ``n h``; checkpointed, when larger, a
+  recomputed block in its backward: its activations, the gradient arriving at its output
+  (``n h``, /t unless 1D) and the larger of its MLP gradient transient (the last block)
+  and every later block's gradients (the first);
 * ``outputs``: the logits of every micro-batch, kept by the schedule for its return
   value (not pipelined: a pipeline's last stage computes the loss in place);
 * ``gradients``: ``4Ψ`` (ZeRO-2 with M > 1 reduces each micro-batch: its accumulated
@@ -256,8 +258,10 @@ def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: 
     else:
         gradients_a = grads if after_backward else 0.0
         reduction = min(grads, DP_BUCKET_BYTES) if (zero == 0 and reducers > 1) else 0.0
-    if checkpoint and blocks:  # or later, recomputing the first block: all later gradients
-        head = max(head, kept + grads - gradients_a)
+    if checkpoint and blocks:  # or later, a recomputed block in its backward: its activations,
+        # the gradient arriving at its output (block-input sized) and either its MLP
+        # gradient transient (the last block) or every later block's gradients (the first)
+        head = max(head, kept + block_input + max(mlp, grads - gradients_a))
     gathered = grads if zero == 3 else 0.0
     return RankMemory(states=states_bytes(params, zero, d, elem),
                       activations=activations, head=head,
@@ -265,3 +269,5 @@ def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: 
                       gradients_a=gradients_a, gathered=gathered,
                       gradients_b=grads, reduction=reduction, outputs_b=m * out,
                       rng_states=held * blocks * RNG_STATE_BYTES if checkpoint else 0.0)
+
+
