@@ -159,7 +159,7 @@ def run_local_workers(nproc: int, port: int, entrypoint, *entry_args, what: str 
     from .failures import FirstExit, failure_message, run_worker, stacks_on_sigusr1
     try:
         with FirstExit() as first_exit, _fresh_store_per_attempt(max_restarts), \
-                stacks_on_sigusr1():
+                stacks_on_sigusr1(), _one_thread_while_forking():
             elastic_launch(launch_config, run_worker)(entrypoint, *entry_args)
     except ChildFailedError as err:
         print(f'colossal-lite: {what} stopped, every process was ended:\n'
@@ -169,6 +169,22 @@ def run_local_workers(nproc: int, port: int, entrypoint, *entry_args, what: str 
         print(f'colossal-lite: interrupted ({exc}); every process was ended', file=sys.stderr)
         return 130
     return 0
+
+
+@contextlib.contextmanager
+def _one_thread_while_forking():
+    """torch's intra-op threads set to 1 in this process while it forks the workers, and
+    restored after. A forked child inherits the thread count but not the OpenMP team: if
+    this process ever ran a parallel op with more threads, a child's first parallel op with
+    that many waits forever for team threads it does not have (GNU libgomp after fork).
+    With 1 inherited thread no team is needed until the worker sets its own count."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -53,8 +53,14 @@ def stacks_on_sigusr1():
 
 
 def run_worker(entrypoint, *args):
-    """Each worker's first call: note this process's pid beside its error file and in
-    :class:`FirstExit`'s directory, then run ``entrypoint(*args)``."""
+    """Each worker's first call: torch's threads set to ``OMP_NUM_THREADS`` (the launcher
+    exports 1: a forked worker must not run a parallel op with more threads than it has,
+    ``cli._one_thread_while_forking``), note this process's pid beside its error file and
+    in :class:`FirstExit`'s directory, then run ``entrypoint(*args)``."""
+    threads = os.environ.get('OMP_NUM_THREADS', '')
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+        torch.set_num_threads(int(threads))
     pid = str(os.getpid())
     error_file = os.environ.get('TORCHELASTIC_ERROR_FILE')
     if error_file:
