@@ -109,11 +109,14 @@ def _with_nproc(layout, nproc: int):
 
 
 def start_method() -> str:
-    """'fork' on CPU (the workers inherit the imported torch: seconds instead of tens of
-    seconds to start 4 processes on 2 cores); 'spawn' when CUDA is present (no fork after
-    a CUDA context)."""
-    import torch
-    return 'spawn' if torch.cuda.is_available() else 'fork'
+    """'spawn': every worker a fresh interpreter, a direct child of the launcher (what
+    ``FirstExit`` watches). Not 'fork', though forked workers start in a fraction of the
+    time on CPU: a child forked while another thread of the launching process held a libc
+    lock waits on it forever (caught in a hung suite run: a worker stuck in getaddrinfo on
+    the resolver's lock, its peers waiting for it in gloo's rendezvous), and a child forked
+    after an OpenMP region with 2 threads hangs in its first 2-thread op; and no fork after
+    a CUDA context."""
+    return 'spawn'
 
 
 def train_command(args, entrypoint=None) -> int:
@@ -159,7 +162,7 @@ def run_local_workers(nproc: int, port: int, entrypoint, *entry_args, what: str 
     from .failures import FirstExit, failure_message, run_worker, stacks_on_sigusr1
     try:
         with FirstExit() as first_exit, _fresh_store_per_attempt(max_restarts), \
-                stacks_on_sigusr1(), _one_thread_while_forking():
+                stacks_on_sigusr1():
             elastic_launch(launch_config, run_worker)(entrypoint, *entry_args)
     except ChildFailedError as err:
         print(f'colossal-lite: {what} stopped, every process was ended:\n'
@@ -169,22 +172,6 @@ def run_local_workers(nproc: int, port: int, entrypoint, *entry_args, what: str 
         print(f'colossal-lite: interrupted ({exc}); every process was ended', file=sys.stderr)
         return 130
     return 0
-
-
-@contextlib.contextmanager
-def _one_thread_while_forking():
-    """torch's intra-op threads set to 1 in this process while it forks the workers, and
-    restored after. A forked child inherits the thread count but not the OpenMP team: if
-    this process ever ran a parallel op with more threads, a child's first parallel op with
-    that many waits forever for team threads it does not have (GNU libgomp after fork).
-    With 1 inherited thread no team is needed until the worker sets its own count."""
-    import torch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -54,9 +54,8 @@ def stacks_on_sigusr1():
 
 def run_worker(entrypoint, *args):
     """Each worker's first call: torch's threads set to ``OMP_NUM_THREADS`` (the launcher
-    exports 1: a forked worker must not run a parallel op with more threads than it has,
-    ``cli._one_thread_while_forking``), note this process's pid beside its error file and
-    in :class:`FirstExit`'s directory, then run ``entrypoint(*args)``."""
+    exports 1), note this process's pid beside its error file and in :class:`FirstExit`'s
+    directory, then run ``entrypoint(*args)``."""
     threads = os.environ.get('OMP_NUM_THREADS', '')
     if threads.isdigit() and int(threads) > 0:
         import torch

@@ -98,10 +98,9 @@ def test_dp2_tp2_run_prints_the_serial_losses_and_the_report(tmp_path):
     cmd = [sys.executable, '-m', 'colossal_lite.cli', 'train', path, '--nproc', '4']
     run = _run_dumping_stacks_on_timeout(cmd, tmp_path, env, 140)
     if run is None:
-        # the hang seen in clean-clone suite runs (workers forked after a 2-thread OpenMP
-        # region; fixed, see test_workers_forked_after_a_parallel_op_do_not_hang): kept as
-        # one fresh attempt with the same assertions; the hung run's stacks are in the
-        # warning
+        # the hang seen in clean-clone suite runs (a forked worker stuck on a libc lock held
+        # at the fork; workers are spawned since, see cli.start_method): kept as one fresh
+        # attempt with the same assertions; the hung run's stacks are in the warning
         run = _run_dumping_stacks_on_timeout(cmd, tmp_path, env, 140)
     assert run is not None, 'the CLI hung twice; stacks in the warnings'
     out = run.stdout
@@ -638,11 +637,12 @@ if __name__ == '__main__':
 '''
 
 
-def test_workers_forked_after_a_parallel_op_do_not_hang(tmp_path):
+def test_workers_started_after_a_parallel_op_do_not_hang(tmp_path):
     """GNU libgomp after fork: a child whose parent ran an OpenMP region with 2 threads hangs
-    in its own first parallel region with 2 threads (it has no team threads). The launcher
-    forks with 1 thread set and each worker takes ``OMP_NUM_THREADS`` first, so workers
-    forked from a process that already computed (a pytest process, a notebook) finish."""
+    in its own first parallel region with 2 threads (it has no team threads). Workers are
+    spawned, not forked (``cli.start_method``), and take ``OMP_NUM_THREADS`` first, so
+    workers started from a process that already computed (a pytest process, a notebook)
+    finish (with fork and neither measure this test hung)."""
     script = tmp_path / 'parallel_first.py'
     script.write_text(_PARALLEL_FIRST)
     env = dict(os.environ, PYTHONPATH=REPO)
