@@ -36,26 +36,35 @@ _PID_DIR_ENV = 'COLOSSAL_LITE_WORKER_PIDS'
 REAPED = 'reaped'          # FirstExit status: the launcher reaped it before we looked
 
 
+def _dump_stacks_on_sigusr1() -> bool:
+    """``kill -USR1 PID`` makes this process print every thread's Python stack on file
+    descriptor 2 (``faulthandler``; fd 2 also under pytest's capture) and run on; False
+    (nothing done) when a SIGUSR1 handler is already set."""
+    if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:
+        return False
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
+    return True
+
+
 @contextlib.contextmanager
 def stacks_on_sigusr1():
-    """While inside, ``kill -USR1 PID`` makes this process print every thread's Python stack
-    on file descriptor 2 (``faulthandler``; the workers forked inside inherit it from their
-    first instruction on), so a hung run can tell where each process waits. A SIGUSR1
-    handler that is already set is left alone."""
-    if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:
-        yield
-        return
-    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)  # fd 2: also under capture
+    """While inside, ``kill -USR1`` on this process prints its stacks
+    (:func:`_dump_stacks_on_sigusr1`; each worker sets the same in :func:`run_worker`), so a
+    hung run can tell where each process waits."""
+    registered = _dump_stacks_on_sigusr1()
     try:
         yield
     finally:
-        faulthandler.unregister(signal.SIGUSR1)
+        if registered:
+            faulthandler.unregister(signal.SIGUSR1)
 
 
 def run_worker(entrypoint, *args):
     """Each worker's first call: torch's threads set to ``OMP_NUM_THREADS`` (the launcher
-    exports 1), note this process's pid beside its error file and in :class:`FirstExit`'s
-    directory, then run ``entrypoint(*args)``."""
+    exports 1), its stacks printed on ``kill -USR1`` (a spawned worker inherits no handler),
+    note this process's pid beside its error file and in :class:`FirstExit`'s directory,
+    then run ``entrypoint(*args)``."""
+    _dump_stacks_on_sigusr1()
     threads = os.environ.get('OMP_NUM_THREADS', '')
     if threads.isdigit() and int(threads) > 0:
         import torch

@@ -45,7 +45,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from .. import formulas
 from .cluster import ClusterProfile
-from .memory import RNG_STATE_BYTES, block_kept, mlp_gradient_bytes, rank_memory
+from .memory import (DP_BUCKET_BYTES, RNG_STATE_BYTES, ZERO_BUCKET_BYTES, block_kept,
+                     mlp_gradient_bytes, rank_memory)
 from .model_spec import ModelShape, layer_params
 from .profile import family_entry
 
@@ -330,12 +331,8 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     return out
 
 
-ZERO_BUCKET_BYTES = 25 * 2 ** 20   # ``zero.bucket_mb``'s default: ZeRO-1/2's flat buckets
-GRADIENT_BUCKET_BYTES = 25 * 2 ** 20   # the data-parallel gradient handler's buckets
-
-
 def exposed_sync(sync: float, backward: float, grad_bytes: float,
-                 bucket_bytes: int = GRADIENT_BUCKET_BYTES) -> float:
+                 bucket_bytes: int = DP_BUCKET_BYTES) -> float:
     """Seconds of a gradient sync of ``sync`` seconds not hidden behind the last micro-batch's
     ``backward``: the gradients go in ``k = ceil(grad_bytes / bucket_bytes)`` buckets, each
     started when its last gradient is ready, so the last bucket's share ``sync / k`` always
@@ -432,7 +429,8 @@ def _gradient_sync(cluster: ClusterProfile, layout, cand: Candidate, params: flo
                    elem: int, chunks: int = 1) -> float:
     """Seconds of the data-parallel gradient traffic (``formulas.gradient_sync_bytes``) of
     the heaviest stage, over the data group (stride t, size D; sequence mode: D*t); ZeRO-3
-    moves it in ``chunks`` calls per all_gather / reduce_scatter (a latency each)."""
+    moves it in ``chunks`` calls per all_gather / reduce_scatter (``zero3_exposed`` with no
+    compute to hide behind)."""
     d, t = layout.data, layout.tensor
     stride, size = t, d
     if layout.mode == 'sequence':
@@ -443,13 +441,10 @@ def _gradient_sync(cluster: ClusterProfile, layout, cand: Candidate, params: flo
     one = params * elem
     if cand.zero == 0:
         return cluster.group_time('all_reduce', n, stride, size)
-    rs_calls = {1: 1, 2: cand.microbatches, 3: cand.microbatches}[cand.zero]
-    ag_calls = {1: 1, 2: 1, 3: 2 * cand.microbatches}[cand.zero]
-    assert (rs_calls + ag_calls) * one == n
-    extra = 0.0
-    if chunks > 1:
-        where = cluster.placement(stride, size)
-        extra = (chunks - 1) * (rs_calls * cluster.alpha_beta('reduce_scatter', size, where)[0]
-                                + ag_calls * cluster.alpha_beta('all_gather', size, where)[0])
-    return (extra + rs_calls * cluster.group_time('reduce_scatter', one, stride, size)
-            + ag_calls * cluster.group_time('all_gather', one, stride, size))
+    if cand.zero == 3:  # every call per chunk, none hidden behind compute
+        assert 3 * cand.microbatches * one == n
+        return zero3_exposed(cluster, layout, cand.microbatches, one, chunks, 0.0, 0.0)
+    rs_calls = {1: 1, 2: cand.microbatches}[cand.zero]
+    assert (rs_calls + 1) * one == n
+    return (rs_calls * cluster.group_time('reduce_scatter', one, stride, size)
+            + cluster.group_time('all_gather', one, stride, size))

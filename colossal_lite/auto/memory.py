@@ -269,5 +269,3 @@ def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: 
                       gradients_a=gradients_a, gathered=gathered,
                       gradients_b=grads, reduction=reduction, outputs_b=m * out,
                       rng_states=held * blocks * RNG_STATE_BYTES if checkpoint else 0.0)
-
-

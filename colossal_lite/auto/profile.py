@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -205,6 +206,13 @@ FAMILY_BATCHES = (2, 4, 8, 16)   # samples per data replica (2D splits it by q =
 FAMILY_REPEATS = 7
 
 
+def _family_shape(hidden: int = FAMILY_MODEL['hidden']):
+    """The ``ModelShape`` of one ``FAMILY_MODEL`` block at width ``hidden`` (s = 64)."""
+    from .model_spec import ModelShape
+    return ModelShape('gpt', None, tuple(sorted(dict(FAMILY_MODEL, hidden=hidden,
+                                                     layers=1).items())), 64)
+
+
 def _time_family(rank: int, hiddens: Sequence[int], batches: Sequence[int], repeats: int
                  ) -> Dict[str, List[float]]:
     """Forward + backward seconds of a 1- and a 2-block GPT (``FAMILY_MODEL`` at each of
@@ -246,7 +254,6 @@ def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BAT
     loss) at the smallest batch. ``{mode or 'none': {str(t): {...}}}``, the entry of the
     widest block with ``by_hidden``: ``{str(hidden): entry}`` (:func:`family_entry`)."""
     from ..testing import run_distributed
-    from .model_spec import ModelShape
     table: Dict[str, Dict[str, dict]] = {}
     for mode, t in layouts:
         parallel = dict(data=world // t)
@@ -260,8 +267,7 @@ def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BAT
                 key = f'{hidden},{layers},{b}'
                 return statistics.median(max(r[key][i] for r in per_rank)
                                          for i in range(repeats))
-            shape = ModelShape('gpt', None, tuple(sorted(dict(FAMILY_MODEL, hidden=hidden,
-                                                              layers=1).items())), 64)
+            shape = _family_shape(hidden)
             flops = [3 * shape.block_flops(b * 64) for b in batches]  # per replica
             one = [median_slowest(1, b) for b in batches]
             block = [max(median_slowest(2, b) - o, 1e-6) for b, o in zip(batches, one)]
@@ -281,7 +287,6 @@ def family_entry(compute: dict, mode, t: int, hidden: int):
     entry = compute.get('family_blocks', {}).get(mode or 'none', {}).get(str(t))
     if entry is None or 'by_hidden' not in entry:
         return entry
-    import math
     widths = sorted(entry['by_hidden'], key=lambda w: abs(math.log(int(w) / hidden)))
     return entry['by_hidden'][widths[0]]
 
@@ -292,8 +297,7 @@ def refit_family_blocks(table: Dict[str, Dict[str, dict]], world: int = 4
     ``data = world / t`` replicas' samples, ``data * b``, while the fit counted ``b``)
     refitted against the FLOPs of the samples it ran; entries marked ``per_replica`` as
     they are. For profiles stored before the fix (``planner_accuracy --reanalyse``)."""
-    from .model_spec import ModelShape
-    shape = ModelShape('gpt', None, tuple(sorted(dict(FAMILY_MODEL, layers=1).items())), 64)
+    shape = _family_shape()
     out: Dict[str, Dict[str, dict]] = {}
     for mode, sizes in table.items():
         for t, entry in sizes.items():
