@@ -9,7 +9,8 @@
    without checkpointing, each with the micro-batch count and schedule the cost model ranks
    first for it (28-36 per model). Each runs the real engine (``initialize`` +
    ``execute_schedule`` + ``step``, AdamW) on 4 forked gloo ranks. Per rank and step:
-   wall and CPU (``time.process_time``) seconds of ``STEPS`` steps after ``WARMUP``; memory
+   wall and CPU (``time.process_time``) seconds of ``STEPS`` steps (more for fast layouts:
+   about ``TIMED_S`` seconds, ``step_count``) after ``WARMUP``; memory
    as the planner defines it (docs/planner.md): ``measured peak = live tensor bytes after
    zero_grad + the peak of the bytes the allocator hands out during a step``
    (``testing.memory.peak_allocated``, the floor of four recorded steps; model data +
@@ -57,6 +58,7 @@ from colossal_lite.testing import run_distributed  # noqa: E402
 from colossal_lite.testing.distributed import ChildFailed  # noqa: E402
 
 WORLD, WARMUP, STEPS, ROUNDS, TOP_ROUNDS = 4, 2, 10, 1, 1
+TIMED_S, MAX_STEPS = 1.0, 60   # fast layouts run more steps: about TIMED_S of timed steps
 TOP = 10   # the top plans: the fastest predicted that fit
 TEXT = dict(vocab_size=256, max_positions=64, dropout=0.0)
 MODELS = {  # (kind, size) -> (options, seq or None for ViT, global batch)
@@ -71,14 +73,14 @@ MODELS = {  # (kind, size) -> (options, seq or None for ViT, global batch)
 }
 
 
-def layout_list(shape, batch: int, profile):
-    """The exhaustive sweep: every layout of ``WORLD`` ranks the model's sizes allow
+def layout_list(shape, batch: int, profile, world: int = WORLD):
+    """The exhaustive sweep: every layout of ``world`` ranks the model's sizes allow
     (``search.layouts``: pipeline, data, each tensor family and size) with every ZeRO stage
     it runs with and with and without checkpointing; for each such triple the micro-batch
     count, schedule and partition the cost model ranks first (``profile``)."""
     from colossal_lite.auto.search import candidates, layouts
     best = {}
-    for layout in layouts(shape, WORLD, batch):
+    for layout in layouts(shape, world, batch):
         for cand in candidates(shape, layout, batch):
             key = (layout, cand.zero, cand.checkpoint)
             time = evaluate(shape, profile, cand, batch).step_time
@@ -189,16 +191,27 @@ def top_plans(estimates):
     return out
 
 
-def sweep(profile, models, rounds, checkpoint=None, steps=STEPS, top_rounds=0):
+def step_count(steps: int, predicted_s: float) -> int:
+    """Timed steps of a layout: at least ``steps``, more for a layout predicted fast (about
+    ``TIMED_S`` seconds of them, at most ``MAX_STEPS``): the median of a fast layout's 10
+    steps on oversubscribed cores moves by 10 % and more between runs; 0 stays 0."""
+    if not steps:
+        return 0
+    return max(steps, min(MAX_STEPS, int(TIMED_S / max(predicted_s, 1e-6))))
+
+
+def sweep(profile, models, rounds, checkpoint=None, steps=STEPS, top_rounds=0, world=WORLD,
+          select=None):
     """Measure every (model, layout) ``rounds`` times and the top plans of each model
     (:func:`top_plans`) ``top_rounds`` times more, alternating the order: raw measurements
     (a layout the runtime fails on keeps its error); ``checkpoint(raw)`` after each run;
-    ``steps`` = 0: memory only."""
+    ``steps`` = 0: memory only; ``world`` ranks; ``select(cand)``: the candidates kept."""
     jobs, top = [], []
     for key in models:
         opts, seq, batch = MODELS[key]
         shape = model_shape(key[0], None, seq=seq, **opts)
-        cands = layout_list(shape, batch, profile)
+        cands = [c for c in layout_list(shape, batch, profile, world)
+                 if select is None or select(c)]
         best = top_plans([evaluate(shape, profile, c, batch) for c in cands])
         top += [len(jobs) + i for i in sorted(best)]
         jobs += [(key, shape, cand) for cand in cands]
@@ -211,9 +224,10 @@ def sweep(profile, models, rounds, checkpoint=None, steps=STEPS, top_rounds=0):
             key, shape, cand = jobs[i]
             opts, seq, batch = MODELS[key]
             o = dict(opts, checkpoint=True) if cand.checkpoint else opts
+            n = step_count(steps, evaluate(shape, profile, cand, batch).step_time)
             try:
-                per_rank = run_distributed(_worker, WORLD, run_config(cand, shape, batch),
-                                           key[0], o, shape.seq, batch, steps, WARMUP,
+                per_rank = run_distributed(_worker, world, run_config(cand, shape, batch),
+                                           key[0], o, shape.seq, batch, n, WARMUP,
                                            timeout=600)
             except ChildFailed as exc:  # a runtime failure is a result, not the end
                 errors[i] = str(exc).strip().splitlines()[-1]
@@ -342,9 +356,12 @@ def main():
     parser.add_argument('--memory-only', action='store_true',
                         help='peak memory only (no timed steps, the stored profile): every '
                              'model, results/planner_accuracy_memory.json')
+    parser.add_argument('--world', type=int, default=WORLD,
+                        help='with --memory-only: ranks (8: eight_rank_subset, '
+                             'results/planner_accuracy_memory_8.json)')
     args = parser.parse_args()
     if args.memory_only:
-        return memory_only(args.reanalyse)
+        return memory_only(args.reanalyse, args.world)
     from colossal_lite.auto.cluster import ClusterProfile
     from colossal_lite.auto.profile import measure
     start = time.perf_counter()
@@ -422,21 +439,39 @@ def _upgrade_profile(profile, env):
         compute['ranks'], compute['cores'] = WORLD, env['cpu_count']
 
 
-def memory_only(reanalyse: bool = False):
+def eight_rank_subset(cand) -> bool:
+    """The layouts of the 8-rank memory sweep (``--world 8``): those not reachable on 4
+    ranks -- tensor size 8 (2.5D depth 2, 3D, sequence 8) with and without checkpointing --
+    and every tensor family mixed with data or pipeline parallelism (2D x data 2, 1D x
+    pipeline 2 x data 2, ...) without ZeRO and checkpointing, whose terms the 4-rank sweep
+    checks on their own (8 ranks on 2 cores: ~10 s a layout, the whole sweep ~15 min)."""
+    l = cand.layout
+    return l.tensor == 8 or (l.tensor > 1 and l.data * l.pipeline > 1 and not cand.zero
+                             and not cand.checkpoint)
+
+
+def memory_only(reanalyse: bool = False, world: int = WORLD):
     """Predicted vs measured peak memory of every model and layout (no timing): the stored
-    profile (memory does not depend on it), one warm-up step, the allocator's record;
-    ``reanalyse``: the stored measurements with the current cost model."""
+    profile (memory does not depend on it; its node widened to ``world`` ranks: one
+    machine), one warm-up step, the allocator's record; ``reanalyse``: the stored
+    measurements with the current cost model. ``world`` != 4: :func:`eight_rank_subset`,
+    results/planner_accuracy_memory_<world>.json."""
+    import dataclasses
     from colossal_lite.auto.cluster import ClusterProfile
     start = time.perf_counter()
     results = os.path.join(os.path.dirname(__file__), 'results')
     with open(os.path.join(results, 'planner_accuracy.json')) as f:
         profile = ClusterProfile.from_json(json.load(f)['profile'])
+    profile = dataclasses.replace(profile, devices=max(profile.devices, world),
+                                  devices_per_node=max(profile.devices_per_node, world))
+    name = 'planner_accuracy_memory' + ('' if world == WORLD else f'_{world}')
     if reanalyse:
-        with open(os.path.join(results, 'planner_accuracy_memory.json')) as f:
+        with open(os.path.join(results, name + '.json')) as f:
             old = json.load(f)
         raw, measured_s = old['raw'], old['measure_s']
     else:
-        raw = sweep(profile, list(MODELS), 1, steps=0)
+        raw = sweep(profile, list(MODELS), 1, steps=0, world=world,
+                    select=None if world == WORLD else eight_rank_subset)
         measured_s = time.perf_counter() - start
     records = predict(raw, profile)
     keep = ('model', 'size', 'layout', 'predicted_peak_bytes', 'measured_peak_bytes',
@@ -449,8 +484,15 @@ def memory_only(reanalyse: bool = False):
                      f"{r['measured_peak_bytes'] / 2 ** 20:.2f}",
                      f"{r['memory_error'] * 100:+.1f}%"])
     print_table(rows)
-    path = write_json('planner_accuracy_memory', dict(
-        world=WORLD, warmup=WARMUP, measure_s=measured_s,
+    errors = sorted(records, key=lambda r: -abs(r['memory_error']))
+    within = {f'within_{p}pct': sum(abs(r['memory_error']) <= p / 100 for r in records)
+              for p in (10, 5)}
+    print(f"{within['within_10pct']}/{len(records)} within 10 %, "
+          f"{within['within_5pct']}/{len(records)} within 5 %; worst: " + ', '.join(
+              f"{r['model']}-{r['size']} {r['layout']} {r['memory_error'] * 100:+.1f}%"
+              for r in errors[:3]))
+    path = write_json(name, dict(
+        world=world, warmup=WARMUP, measure_s=measured_s, **within,
         models={f'{k}-{s}': dict(options=o, seq=q, batch=b)
                 for (k, s), (o, q, b) in MODELS.items()},
         results=[{k: r[k] for k in keep} for r in records],

@@ -10,7 +10,11 @@
 * a tensor family's seconds per FLOP are at least the serial block's divided by t;
 * a block takes the profile's timing of the nearest timed width (``profile.family_entry``);
 * ZeRO-3: the chunk count equals the runtime's search on real GPT/BERT/ViT builds; each chunk
-  adds one all_gather latency per forward and backward and one reduce_scatter per micro-step.
+  adds one all_gather latency per forward and backward and one reduce_scatter per micro-step;
+* between the timed batches a block costs the measured points (not the fitted line), its
+  forward the timed forward's share (what a checkpointed block recomputes);
+* each synchronizing point on the critical path (the gradient sync, each pipeline boundary
+  crossed forward and backward) adds the profile's measured ``sync_skew_s``.
 """
 import pytest
 
@@ -223,3 +227,75 @@ def test_zero3_prefetched_gathers_hide_behind_the_previous_chunks_compute():
     # in a step: gradient_sync keeps the whole traffic, the step pays the exposed part
     est = evaluate(SHAPE, prof, Candidate(layout, 1, zero=3), 16)
     assert est.terms['exposed_sync'] < est.terms['gradient_sync']
+
+
+def test_a_block_between_timed_batches_takes_the_measured_points():
+    """``profile.family_block_seconds``: between the timed batches the measured points
+    (piecewise linear in FLOPs), beyond them the fitted seconds per FLOP; ``rest`` from the
+    1-block times at the micro-batch's tokens; an entry without the points: the fit."""
+    from colossal_lite.auto.profile import family_block_seconds, family_rest_seconds
+    entry = dict(_entry(5e-3, 1e-11), flops=[1e9, 2e9, 4e9], block_s=[0.010, 0.030, 0.034],
+                 one_s=[0.015, 0.036, 0.044], tokens=[128, 256, 512])
+    assert family_block_seconds(entry, 2e9) == pytest.approx(0.030)
+    assert family_block_seconds(entry, 1.5e9) == pytest.approx(0.020)   # not the line
+    assert family_block_seconds(entry, 3e9) == pytest.approx(0.032)
+    assert family_block_seconds(entry, 6e9) == pytest.approx(0.034 + 2e9 * 1e-11)
+    assert family_block_seconds(entry, 6e9, 3e-11) == pytest.approx(0.034 + 2e9 * 3e-11)
+    assert family_block_seconds(entry, 0.5e9) == pytest.approx(0.010 - 0.5e9 * 1e-11)
+    assert family_rest_seconds(entry, 192) == pytest.approx((0.005 + 0.006) / 2)
+    assert family_rest_seconds(entry, 64) == pytest.approx(0.005)       # held at the ends
+    assert family_rest_seconds(entry, 1024) == pytest.approx(0.010)
+    old = _entry(5e-3, 1e-11, rest=0.007)
+    assert family_block_seconds(old, 2e9) == pytest.approx(5e-3 + 2e9 * 1e-11)
+    assert family_rest_seconds(old, 512) == 0.007
+    # the cost model uses them: a 2-block model at a timed batch costs its measured points
+    small = model_shape('gpt', None, seq=64, vocab_size=256, max_positions=64, hidden=128,
+                        layers=2, heads=4, dropout=0.0)
+    from colossal_lite.auto.profile import _family_shape
+    flops = [3 * _family_shape(128).block_flops(b * 64) for b in (2, 4, 8)]
+    timed = dict(entry, flops=flops)
+    est = evaluate(small, _profile({'none': {'1': timed}}),
+                   Candidate(ParallelLayout(1, 1, None, 1, 1), 1), 4)
+    head = 3 * small.head_flops(4) / 1e10    # the head's FLOPs at the profile's rate
+    assert est.terms['pipeline'] == pytest.approx(2 * 0.030 + 0.006 + head, rel=1e-6)
+    # a checkpointed block recomputes its forward: the timed forward's share of the block
+    # (1D: half of the collectives are in the forward), 1/3 where the profile has none
+    from colossal_lite.auto.profile import family_forward_share
+    assert family_forward_share(timed, flops[1]) == pytest.approx(1 / 3)
+    halves = dict(timed, forward_s=[0.005, 0.015, 0.017])
+    assert family_forward_share(halves, flops[1]) == pytest.approx(0.5)
+    assert family_forward_share(dict(timed, forward_s=[0.009, 0.001, 0.02]), flops[0]) == 0.6
+    ckpt = Candidate(ParallelLayout(1, 1, None, 1, 1), 1, checkpoint=True)
+    for e, share in ((timed, 1 / 3), (halves, 0.5)):
+        plain = evaluate(small, _profile({'none': {'1': e}}),
+                         Candidate(ParallelLayout(1, 1, None, 1, 1), 1), 4)
+        again = evaluate(small, _profile({'none': {'1': e}}), ckpt, 4)
+        assert again.terms['pipeline'] - plain.terms['pipeline'] == \
+            pytest.approx(2 * 0.030 * share, rel=1e-6)
+
+
+def test_sync_skew_counts_each_synchronizing_point_on_the_critical_path():
+    """``cost.sync_skew_time``: the profile's ``sync_skew_s`` once for the gradient sync of a
+    data group (DP, ZeRO-1/2; sequence: the D*t group), twice per pipeline boundary, never
+    for ZeRO-3 (priced per chunk) or a profile without it; ``profile.sync_skew`` measures it
+    as (last end - slowest compute) - the bare collective."""
+    from colossal_lite.auto.cost import sync_skew_time
+    from colossal_lite.auto.profile import sync_skew
+    prof = _profile({}, sync_skew_s=0.003)
+    cases = [((1, 1, None, 1, 4), 0, 1, 1), ((1, 1, None, 1, 4), 2, 1, 1),
+             ((1, 1, None, 1, 4), 3, 1, 0), ((2, 1, None, 1, 2), 0, 2, 3),
+             ((2, 1, None, 1, 1), 0, 2, 2), ((2, 1, None, 1, 1), 0, 4, 6),
+             ((1, 4, '1d', 1, 1), 0, 1, 0), ((1, 2, 'sequence', 1, 1), 0, 1, 1)]
+    for layout, zero, stages, points in cases:
+        assert sync_skew_time(prof, ParallelLayout(*layout), zero, stages) == \
+            pytest.approx(0.003 * points), (layout, zero, stages)
+    assert sync_skew_time(_profile({}), ParallelLayout(1, 1, None, 1, 4), 0, 1) == 0.0
+    est = evaluate(SHAPE, prof, Candidate(ParallelLayout(2, 1, None, 1, 2), 2), 16)
+    bare = evaluate(SHAPE, _profile({}), Candidate(ParallelLayout(2, 1, None, 1, 2), 2), 16)
+    assert est.step_time - bare.step_time == pytest.approx(3 * 0.003)
+    ranks = [dict(bare=[0.001, 0.002, 0.001], compute=[0.010, 0.011, 0.012],
+                  total=[0.016, 0.017, 0.016]),
+             dict(bare=[0.002, 0.001, 0.001], compute=[0.012, 0.010, 0.009],
+                  total=[0.015, 0.018, 0.016])]
+    # per repeat: last end - slowest compute = 4, 6, 4 ms; the bare medians' 2, 2, 1 ms
+    assert sync_skew(ranks) == pytest.approx(0.004 - 0.002)

@@ -16,14 +16,17 @@ the step time. Formulas (docs/planner.md has them with their sources):
   each term a named buffer (``memory.py``, tested against the allocator's record);
   ``terms['model_data']`` the states live after a step (``MODEL_DATA_BYTES``, tested
   equal to real runs), ``terms['memory_buffers']`` the ``RankMemory`` of every rank;
-* compute: a block of a family and size the profile timed (``family_blocks``): its fitted
-  ``overhead + seconds_per_flop * FLOPs``, collectives included, seconds per FLOP at least
-  the serial block's / t; the first and last parts add the family's measured ``rest``
-  (embedding, head, loss beyond their FLOPs) per micro-batch; else block FLOPs / t /
+* compute: a block of a family and size the profile timed (``family_blocks``): its
+  measured seconds at the micro-batch's FLOPs (piecewise linear between the timed batches,
+  the fitted seconds per FLOP beyond them, at least the serial block's / t), collectives
+  included, its forward the timed forward's share; the first and last parts add the
+  family's measured ``rest`` (embedding, head, loss beyond their FLOPs) per micro-batch at
+  its tokens; else block FLOPs / t /
   ``flops`` + the per-block overhead (backward 2x forward, a recompute 1x) and
   tensor communication: ``formulas.block_bytes`` per block and micro-batch through the
   profile's α-β of the family's collective (a recompute repeats the forward half);
-* stage boundaries: one p2p of the activation shard per micro-batch and direction;
+* stage boundaries: one p2p of the activation shard per micro-batch and direction (1D:
+  a 1/t slice of the replicated activation, then an all_gather over the t ranks);
 * gradient sync: ``formulas.gradient_sync_bytes`` over the data group; without a pipeline
   all but the last 25 MiB bucket overlap the last micro-batch's backward (``exposed_sync``:
   both slowed 1.3x while they overlap, as Galvatron-BMW measures), exposed after the
@@ -33,7 +36,10 @@ the step time. Formulas (docs/planner.md has them with their sources):
 * oversubscription ``s = ranks / cores`` of the profile (> 1: ranks time-share cores, and
   the measured block times carry it): a pipeline takes ``max(M * T, schedule time / s)``,
   the ranks waiting in the bubble freeing their cores for the computing ones;
-* step = pipeline time (bubble per schedule) + exposed gradient sync + the AdamW step on
+* skew (``sync_skew_time``): ranks that time-share cores finish a phase at different
+  times; each synchronizing point on the critical path (the gradient sync, each pipeline
+  boundary crossed forward and backward) adds the profile's measured ``sync_skew_s``;
+* step = pipeline time (bubble per schedule) + exposed gradient sync + skew + the AdamW step on
   the local (ZeRO: sharded) parameters and tensors (``optimizer_time``: per element and per
   tensor stepped, ``compute['adam_s_per_param']`` and ``['adam_s_per_tensor']``).
 """
@@ -48,7 +54,8 @@ from .cluster import ClusterProfile
 from .memory import (DP_BUCKET_BYTES, RNG_STATE_BYTES, ZERO_BUCKET_BYTES, block_kept,
                      mlp_gradient_bytes, rank_memory)
 from .model_spec import ModelShape, layer_params
-from .profile import family_entry
+from .profile import (family_block_seconds, family_entry, family_forward_share,
+                      family_rest_seconds)
 
 OVERLAP_SLOWDOWN = 1.3
 _block_bytes = lru_cache(maxsize=65536)(formulas.block_bytes)
@@ -213,24 +220,27 @@ def oversubscription(cluster: ClusterProfile) -> float:
     return max(1.0, float(ranks) / float(cores))
 
 
-def parts_overhead(cluster: ClusterProfile, layout, hidden: int) -> float:
-    """Forward + backward seconds per micro-batch of the first and last parts (embedding,
-    head, loss) beyond their FLOPs: the family's measured ``rest`` (``family_blocks``, the
-    1-block model minus its block at a small vocabulary: dispatch and the vocab-parallel
-    collectives' latencies; the timed width nearest ``hidden``), 0 without one."""
+def parts_overhead(cluster: ClusterProfile, layout, hidden: int, tokens: float = 0.0
+                   ) -> float:
+    """Forward + backward seconds per micro-batch of ``tokens`` of the first and last parts
+    (embedding, head, loss) beyond their FLOPs: the family's measured ``rest``
+    (``family_blocks``, the 1-block model minus its block at a small vocabulary: dispatch
+    and the vocab-parallel collectives' latencies; the timed width nearest ``hidden``,
+    ``profile.family_rest_seconds``), 0 without one."""
     t = layout.tensor if layout.mode else 1
     entry = family_entry(cluster.compute, layout.mode, t, hidden)
-    return float(entry.get('rest', 0.0)) if entry else 0.0
+    return family_rest_seconds(entry, tokens) if entry else 0.0
 
 
 def block_time(shape: ModelShape, cluster: ClusterProfile, layout, tokens: float,
-               comm_bytes: float) -> Tuple[float, float]:
-    """(forward compute seconds, forward + backward tensor-communication seconds) of one
-    block on ``tokens`` tokens of a replica micro-batch. A profile that timed real blocks of
+               comm_bytes: float) -> Tuple[float, float, float]:
+    """(forward seconds, backward seconds, forward + backward tensor-communication seconds)
+    of one block on ``tokens`` tokens of a replica micro-batch. A profile that timed real blocks of
     this family and size (``compute['family_blocks']``, ``profile.measure_families``; the
-    timed width nearest the model's, ``profile.family_entry``) gives
-    ``overhead + seconds_per_flop * 3 * FLOPs`` for the whole block, collectives included
-    (returned as forward = a third, communication 0); otherwise FLOPs / t / ``flops`` plus
+    timed width nearest the model's, ``profile.family_entry``) gives the whole block,
+    collectives included, at its 3 * FLOPs (``profile.family_block_seconds``: the timed
+    points, beyond them the fitted ``seconds_per_flop``, at least the serial block's / t;
+    split by the timed forward's share, ``profile.family_forward_share``; communication 0); otherwise FLOPs / t / ``flops`` plus
     ``compute['block_overhead_s'] / 3`` and the α-β time of ``comm_bytes``."""
     t = layout.tensor if layout.mode else 1
     flops = shape.block_flops(tokens)
@@ -240,9 +250,12 @@ def block_time(shape: ModelShape, cluster: ClusterProfile, layout, tokens: float
         serial = family_entry(cluster.compute, None, 1, shape.hidden)
         if serial is not None and t > 1:  # a rank's FLOP share runs no faster than serial
             per_flop = max(per_flop, serial['seconds_per_flop'] / t)
-        return (entry['overhead'] + per_flop * 3 * flops) / 3, 0.0
+        whole = family_block_seconds(entry, 3 * flops, per_flop)
+        forward = whole * family_forward_share(entry, 3 * flops)
+        return forward, whole - forward, 0.0
     overhead = float(cluster.compute.get('block_overhead_s', 0.0))
-    return flops / t / cluster.flops + overhead / 3, _tensor_time(cluster, layout, comm_bytes)
+    forward = flops / t / cluster.flops + overhead / 3
+    return forward, 2 * forward, _tensor_time(cluster, layout, comm_bytes)
 
 
 def evaluate(shape: ModelShape, cluster: ClusterProfile, cand: Candidate, batch: int,
@@ -265,16 +278,18 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     kept = block_kept(shape, l, micro, elem)
 
     f_head = shape.head_flops(micro) / t / cluster.flops
-    part_fixed = parts_overhead(cluster, l, shape.hidden) / 2  # per part (first, last), fwd + bwd
+    part_fixed = parts_overhead(cluster, l, shape.hidden, tokens) / 2  # per part, fwd + bwd
     comm_block = _block_bytes(l.mode, t, micro, shape.seq, shape.hidden,
                               shape.mlp_ratio, l.depth, elem)
-    f_block, c_block = block_time(shape, cluster, l, tokens, comm_block)
+    f_block, b_block, c_block = block_time(shape, cluster, l, tokens, comm_block)
     recompute = (f_block + 0.5 * c_block) if cand.checkpoint else 0.0
     act_shard = tokens * shape.hidden * elem / (t if l.mode else 1)
     p2p = cluster.group_time('p2p', act_shard, d * t, 2) if p > 1 else 0.0
+    if p > 1 and l.mode == '1d' and t > 1:  # 1D sends a 1/t slice, gathered on arrival
+        p2p += cluster.group_time('all_gather', tokens * shape.hidden * elem, 1, t)
 
     fwd, bwd, params_rank, rank_shapes = [], [], [], []
-    f_one, b_one = f_block + c_block / 2, 2 * f_block + c_block / 2 + recompute
+    f_one, b_one = f_block + c_block / 2, b_block + c_block / 2 + recompute
     parts = rank_parts(ranges, p, v)
     for rank, (n_blocks, n_stages, first, last) in enumerate(parts):
         params_rank.append(n_blocks * block_params + first * first_params + last * last_params)
@@ -300,9 +315,10 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
         # schedule's path runs at the alone speed, bounded by the cores' total work
         pipe = max(m * slow, pipe / oversubscription(cluster))
     most = max(n for n, _, _, _ in parts)
-    shared = dict(compute=m * most * (3 * f_block + (f_block if cand.checkpoint else 0.0)),
+    shared = dict(compute=m * most * (f_block + b_block + (f_block if cand.checkpoint
+                                                           else 0.0)),
                   tensor_comm=m * most * c_block * (1.5 if cand.checkpoint else 1.0),
-                  pipeline=pipe, bubble=pipe - m * slow, block_compute=f_block * 3,
+                  pipeline=pipe, bubble=pipe - m * slow, block_compute=f_block + b_block,
                   block_comm=c_block, tensor_bytes_per_block=comm_block, p2p=p2p,
                   params=params_rank, activations_per_block=kept)
     out = []
@@ -325,10 +341,29 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
             exposed = sync
         optimizer = optimizer_time(cluster, shape, params_rank, parts, p * v > 1, zero, d,
                                    chunks)
+        skew = sync_skew_time(cluster, l, zero, p * v)
         terms = dict(shared, gradient_sync=sync, exposed_sync=exposed, model_data=model_data,
-                     optimizer=optimizer, memory_buffers=buffers)
-        out.append(Estimate(this, pipe + exposed + optimizer, memory, stage_time, terms))
+                     optimizer=optimizer, memory_buffers=buffers, sync_skew=skew)
+        out.append(Estimate(this, pipe + exposed + optimizer + skew, memory, stage_time,
+                            terms))
     return out
+
+
+def sync_skew_time(cluster: ClusterProfile, layout, zero: int, stages: int) -> float:
+    """Seconds ranks that time-share cores lose waiting for each other where a step's
+    critical path meets a synchronizing call after compute: the profile's
+    ``compute['sync_skew_s']`` (``profile.sync_skew``; 0 in profiles without it: a device
+    per rank) times the points -- the gradient sync after the last backward (data
+    parallelism and ZeRO-1/2 over a data group of 2 or more; ZeRO-3's per-chunk calls are
+    priced whole by ``zero3_exposed``), and each stage boundary the pipeline's path crosses
+    twice (forward and backward: ``2 (stages - 1)``). A tensor family's own calls are in its
+    timed blocks."""
+    skew = float(cluster.compute.get('sync_skew_s', 0.0))
+    if not skew:
+        return 0.0
+    group = layout.data * (layout.tensor if layout.mode == 'sequence' else 1)
+    points = 2 * (stages - 1) + (1 if group > 1 and zero in (0, 1, 2) else 0)
+    return skew * points
 
 
 def exposed_sync(sync: float, backward: float, grad_bytes: float,

@@ -9,6 +9,10 @@
 * compute: forward and backward of one model_zoo ``TransformerLayer`` at a few batch sizes
   on each of the 4 ranks at once (one thread each, as training runs); ``flops`` = the block
   FLOPs (``ModelShape.block_flops``, backward 2x) / measured time, median over ranks.
+* ``compute['sync_skew_s']``: what a small all_reduce over every rank costs after the same
+  compute on each, beyond the slowest rank's compute and the all_reduce alone
+  (:func:`sync_skew`): ranks time-sharing cores reach a synchronizing call at different
+  times (0 or absent: a device per rank).
 * ``compute['ranks']`` / ``compute['cores']``: the ranks timed at once and the cores they
   shared (``os.sched_getaffinity``): more ranks than cores time-share them, so a block
   timed with every rank busy (``family_blocks``) is ``ranks / cores`` times slower than
@@ -108,7 +112,50 @@ def _time_collectives(rank: int, sizes: Sequence[int], repeats: int) -> Dict[str
             if i:
                 times.append((time.perf_counter() - start) / 2)
         out.setdefault('p2p', {}).setdefault('2', []).append((nbytes, statistics.median(times)))
+    out['skew'] = _time_skew(repeats * 4)
     return out
+
+
+def _time_skew(repeats: int, elems: int = 1024) -> Dict[str, List[float]]:
+    """Per repeat on this rank: a small all_reduce over every rank after a barrier
+    (``bare``), and after the same fixed compute on every rank (``compute``: its seconds;
+    ``total``: barrier to the all_reduce's end), as a training step's synchronizing
+    collective follows its forward/backward."""
+    from .. import communication as comm
+    from ..context import ParallelMode, global_context as gpc
+    axis = gpc.axis(ParallelMode.GLOBAL)
+    x, a = torch.ones(elems), torch.full((128, 128), 0.01)
+    out: Dict[str, List[float]] = {'bare': [], 'compute': [], 'total': []}
+    for i in range(repeats + 1):
+        comm.barrier()
+        start = time.perf_counter()
+        comm.all_reduce(x, axis)
+        bare = time.perf_counter() - start
+        comm.barrier()
+        start = time.perf_counter()
+        y = a
+        for _ in range(40):
+            y = torch.tanh(y @ a)
+        mid = time.perf_counter()
+        comm.all_reduce(x, axis)
+        if i:
+            out['bare'].append(bare)
+            out['compute'].append(mid - start)
+            out['total'].append(time.perf_counter() - start)
+    return out
+
+
+def sync_skew(per_rank: Sequence[Dict[str, List[float]]]) -> float:
+    """Seconds a synchronizing collective after compute costs beyond the slowest rank's
+    compute and the collective alone (``_time_skew`` of every rank): the median over
+    repeats of (the last rank's end - the slowest compute) minus the median bare
+    collective (slowest rank), at least 0. Ranks time-sharing cores finish a phase at
+    different times and the collective waits for the one the scheduler ran last."""
+    repeats = range(len(per_rank[0]['total']))
+    after = statistics.median(max(r['total'][i] for r in per_rank)
+                              - max(r['compute'][i] for r in per_rank) for i in repeats)
+    bare = statistics.median(max(r['bare'][i] for r in per_rank) for i in repeats)
+    return max(0.0, after - bare)
 
 
 def measure_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS
@@ -125,8 +172,10 @@ def measure_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS
             worst = [max(r[op][p][i][1] for r in results) for i in range(len(points))]
             alpha, beta = fit_alpha_beta([n for n, _ in points], worst)
             table.setdefault(op, {})[p] = {'intra': [alpha, beta]}
+    skew = sync_skew([r['skew'] for r in results])
     return table, [dict(r['block'], adam_s_per_param=r['adam_s_per_param'],
-                        adam_s_per_tensor=r['adam_s_per_tensor']) for r in results]
+                        adam_s_per_tensor=r['adam_s_per_tensor'], sync_skew_s=skew)
+                   for r in results]
 
 
 ADAM_SHAPES = ((4, 1 << 20), (16, 1 << 18), (64, 1 << 14), (256, 1 << 14))  # (tensors, elems)
@@ -219,7 +268,7 @@ def _time_family(rank: int, hiddens: Sequence[int], batches: Sequence[int], repe
     ``hiddens``) built for the launched layout, per ``'hidden,layers,batch'`` (``batch``
     samples per data replica): ``repeats`` timings after a warm-up, every rank stepping at
     once after a barrier, the 1- and 2-block models alternated so that both see the same
-    load."""
+    load; ``'forward:hidden,layers,batch'`` the forward's share of the same runs."""
     torch.set_num_threads(1)
     from .. import communication as comm
     out: Dict[str, List[float]] = {}
@@ -234,10 +283,14 @@ def _time_family(rank: int, hiddens: Sequence[int], batches: Sequence[int], repe
                 for layers, model in models.items():
                     comm.barrier()
                     start = time.perf_counter()
-                    model(ids).float().sum().backward()
+                    loss = model(ids).float().sum()
+                    mid = time.perf_counter()
+                    loss.backward()
                     if i:
                         out.setdefault(f'{hidden},{layers},{b}', []).append(
                             time.perf_counter() - start)
+                        out.setdefault(f'forward:{hidden},{layers},{b}', []).append(
+                            mid - start)
     return out
 
 
@@ -247,7 +300,8 @@ def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BAT
     """Per tensor family and size t on ``world`` forked ranks (data = world / t): one real
     block's forward + backward, tensor-parallel collectives included, as the difference of a
     2-block and a 1-block model (per repeat the slowest rank, the median over repeats), at
-    2 to 16 samples per replica and each width of ``hiddens``, fitted by
+    2 to 16 samples per replica and each width of ``hiddens`` (``forward_s``: its forward's
+    part, the same difference), fitted by
     :func:`fit_alpha_beta` against the block's FLOPs: ``overhead`` (seconds per block and
     micro-batch whatever its size: Python, dispatch, the collectives' latencies) and
     ``seconds_per_flop``; and ``rest``: the 1-block model minus its block (embedding, head,
@@ -263,18 +317,21 @@ def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BAT
                                    tuple(hiddens), tuple(batches), repeats, timeout=600)
         by_hidden = {}
         for hidden in hiddens:
-            def median_slowest(layers, b):  # repeats line up across ranks (a barrier each)
-                key = f'{hidden},{layers},{b}'
+            def median_slowest(layers, b, part=''):  # repeats line up (a barrier each)
+                key = f'{part}{hidden},{layers},{b}'
                 return statistics.median(max(r[key][i] for r in per_rank)
                                          for i in range(repeats))
             shape = _family_shape(hidden)
             flops = [3 * shape.block_flops(b * 64) for b in batches]  # per replica
             one = [median_slowest(1, b) for b in batches]
             block = [max(median_slowest(2, b) - o, 1e-6) for b, o in zip(batches, one)]
+            forward = [max(median_slowest(2, b, 'forward:') - median_slowest(1, b, 'forward:'),
+                           1e-6) for b in batches]
             overhead, per_flop = fit_alpha_beta(flops, block)
             by_hidden[str(hidden)] = dict(
                 overhead=overhead, seconds_per_flop=per_flop, block_s=block,
-                batches=list(batches), rest=max(0.0, one[0] - block[0]), per_replica=True)
+                batches=list(batches), rest=max(0.0, one[0] - block[0]), per_replica=True,
+                one_s=one, flops=flops, tokens=[b * 64 for b in batches], forward_s=forward)
         widest = by_hidden[str(max(hiddens))]
         table.setdefault(mode or 'none', {})[str(t)] = dict(widest, by_hidden=by_hidden)
     return table
@@ -289,6 +346,51 @@ def family_entry(compute: dict, mode, t: int, hidden: int):
         return entry
     widths = sorted(entry['by_hidden'], key=lambda w: abs(math.log(int(w) / hidden)))
     return entry['by_hidden'][widths[0]]
+
+
+def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float,
+                 slope: float = 0.0) -> float:
+    """``ys`` at ``x``: piecewise linear between the points ``(xs, ys)`` (xs ascending), and
+    beyond them the nearest end continued with ``slope``."""
+    if x <= xs[0]:
+        return ys[0] + slope * (x - xs[0])
+    if x >= xs[-1]:
+        return ys[-1] + slope * (x - xs[-1])
+    i = next(k for k in range(1, len(xs)) if x <= xs[k])
+    w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+
+def family_block_seconds(entry: dict, flops: float, per_flop: float = None) -> float:
+    """Forward + backward seconds of one block of ``flops`` (forward FLOPs x 3) from a
+    family entry: between the timed batches the measured points themselves (piecewise
+    linear in FLOPs, no least-squares line through noisy points), beyond them continued
+    at ``per_flop`` (default the fitted ``seconds_per_flop``); entries without the points
+    (older profiles): the fit ``overhead + per_flop * flops``."""
+    per_flop = entry['seconds_per_flop'] if per_flop is None else per_flop
+    if 'flops' not in entry:
+        return entry['overhead'] + per_flop * flops
+    return max(1e-6, _interpolate(entry['flops'], entry['block_s'], flops, per_flop))
+
+
+def family_forward_share(entry: dict, flops: float) -> float:
+    """The forward's share of a timed block's seconds at ``flops`` (``forward_s`` over
+    ``block_s``, interpolated, held at the ends, within [0.2, 0.6]: a difference of noisy
+    times), 1/3 for entries without it (backward = 2x forward, as FLOPs count)."""
+    if 'forward_s' not in entry or 'flops' not in entry:
+        return 1.0 / 3.0
+    share = [min(0.6, max(0.2, f / b)) for f, b in zip(entry['forward_s'], entry['block_s'])]
+    return _interpolate(entry['flops'], share, flops)
+
+
+def family_rest_seconds(entry: dict, tokens: float) -> float:
+    """The entry's ``rest`` (the 1-block model minus its block: embedding, head, loss) at a
+    micro-batch of ``tokens``, interpolated over the timed batches (held at the ends); the
+    smallest batch's for entries without the points."""
+    if 'one_s' not in entry:
+        return float(entry.get('rest', 0.0))
+    rest = [max(0.0, one - block) for one, block in zip(entry['one_s'], entry['block_s'])]
+    return _interpolate(entry['tokens'], rest, tokens)
 
 
 def refit_family_blocks(table: Dict[str, Dict[str, dict]], world: int = 4
@@ -328,6 +430,7 @@ def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
                                    statistics.median(b['adam_s_per_tensor'] for b in blocks),
                                    'block_overhead_s':
                                    statistics.median(b['overhead'] for b in blocks),
+                                   'sync_skew_s': blocks[0]['sync_skew_s'],
                                    'family_blocks': measure_families(),
                                    'ranks': 4, 'cores': len(os.sched_getaffinity(0))},
                           sources={'all': 'measured by colossal_lite.auto.profile (gloo, '
