@@ -319,6 +319,7 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
                                                            else 0.0)),
                   tensor_comm=m * most * c_block * (1.5 if cand.checkpoint else 1.0),
                   pipeline=pipe, bubble=pipe - m * slow, block_compute=f_block + b_block,
+                  block_forward=f_block,
                   block_comm=c_block, tensor_bytes_per_block=comm_block, p2p=p2p,
                   params=params_rank, activations_per_block=kept)
     out = []

@@ -186,7 +186,7 @@ def _checkpoint_dp(shape: ModelShape, cluster: ClusterProfile, cand: Candidate, 
     micro = batch / l.data / cand.microbatches
     keep_ck, transient = block_memory(shape, l, micro, True)
     plain = evaluate(shape, cluster, replace(cand, checkpoint=False), batch, ranges=ranges)
-    recompute = cand.microbatches * (plain.terms['block_compute'] / 3
+    recompute = cand.microbatches * (plain.terms['block_forward']
                                      + plain.terms['block_comm'] / 2)
     chosen = []
     for rank, blocks in enumerate(_rank_blocks(ranges, l.pipeline)):
