@@ -29,8 +29,14 @@ V the head's outputs per token):
   logits, exp and softmax -- and the two backward gradients) and the final LayerNorm's
   input, output and statistics ``n (2h + 2)`` (BERT ``+ n (3h + 2)``: the MLM
   transform's dense, GELU and LayerNorm outputs; /t outside none/1D/sequence; 2D/2.5D:
-  the classifier's SUMMA backward blocks); in a block's backward, the gradients of its
-  MLP hidden ``2 n r h`` (/t but for none; 2D/2.5D: fc1's SUMMA backward blocks);
+  the classifier's SUMMA backward blocks; 3D, when larger than the three logits buffers:
+  the logits' gradient ``n V / t`` and the classifier's ``cube(n, h, V)``); in a block's
+  backward, the gradients of its MLP hidden ``2 n r h`` (/t but for none; 2D/2.5D: fc1's
+  SUMMA backward blocks; 3D, when larger: fc2's or fc1's ``cube(n, r h, h)``,
+  ``cube(n, h, r h)``: a cube linear's backward with its gathered x, dy and A, dA and dx
+  = dy A each with gloo's reduce-scatter copy and the shard, ``cube(n, i, o) =
+  max(q (n i + n o + i o + max(n i, n o, i o)), (3q + 1)(n i + i o) + q n o) / t``, q the
+  cube side);
   pipelined, the received activation or gradient ``n h``; checkpointed, when larger, a
   recomputed block in its backward: its activations, the gradient arriving at its output
   (``n h``, /t unless 1D) and the larger of its MLP gradient transient (the last block)
@@ -48,9 +54,10 @@ V the head's outputs per token):
   fresh ``4Ψ/D`` shard, next to the shard accumulated from earlier micro-batches.
 
 Checked against the allocator's record of real steps: tests/test_planner_memory.py
-(data, ZeRO-2/3, checkpointing, 1D, sequence, 1F1B) and
+(data, ZeRO-2/3, checkpointing, 1D, sequence, 1F1B; 8 ranks: 2.5D depth 2, 3D) and
 ``benchmarks/planner_accuracy.py --memory-only`` (all 54 layouts, 2D and zero bubble
-included).
+included; ``--world 8``: tensor size 8 and every tensor family mixed with data or
+pipeline parallelism).
 """
 from __future__ import annotations
 
@@ -133,8 +140,9 @@ def block_kept(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
 def head_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
     """The last stage's loss-head buffers at the start of backward: three logits-sized
     buffers (the fourth, the logits, is the schedule's kept output or freed when
-    pipelined), the final LayerNorm's input, output and statistics, BERT's MLM transform,
-    and under 2D/2.5D the classifier's SUMMA backward blocks (module doc)."""
+    pipelined; 3D: or, when larger, the classifier's :func:`cube_backward_bytes` next to
+    the logits' gradient), the final LayerNorm's input, output and statistics, BERT's MLM
+    transform, and under 2D/2.5D the classifier's SUMMA backward blocks (module doc)."""
     t = layout.tensor if layout.mode else 1
     t_v = t if layout.mode not in (None, 'sequence') else 1
     seq_split = t if layout.mode == 'sequence' else 1
@@ -142,27 +150,51 @@ def head_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
     head_tokens = micro * (shape.seq / seq_split if shape.kind != 'vit' else 1)
     ln_split = 1 if layout.mode in (None, '1d', 'sequence') else t
     per_token = 2 * shape.hidden + 2
-    summa = 0.0
-    if layout.mode in ('2d', '2.5d'):  # the classifier's SUMMA backward: the broadcast dY
-        q = layout.tensor_grid         # and W blocks of two steps in flight
-        summa = min(q, 2) * (head_tokens * shape.outputs + shape.outputs * shape.hidden) / t
     if shape.kind == 'bert':  # the MLM transform: dense and GELU outputs, LayerNorm output
         per_token += 3 * shape.hidden + 2   # and statistics (its input is the GELU output)
-    return elem * (3 * head_tokens * shape.outputs / t_v + tokens * per_token / ln_split
-                   + summa)
+    d_logits = head_tokens * shape.outputs / t_v
+    logits = 3 * d_logits
+    if layout.mode in ('2d', '2.5d'):  # the classifier's SUMMA backward: the broadcast dY
+        q = layout.tensor_grid         # and W blocks of two steps in flight
+        logits += min(q, 2) * (head_tokens * shape.outputs + shape.outputs * shape.hidden) / t
+    if layout.mode == '3d':
+        logits = max(logits, d_logits + cube_backward_bytes(
+            head_tokens, shape.hidden, shape.outputs, layout.tensor_grid, t, 1))
+    return elem * (logits + tokens * per_token / ln_split)
+
+
+def cube_backward_bytes(tokens: float, fan_in: int, fan_out: int, q: int, t: int,
+                        elem: int = 4) -> float:
+    """3D's linear backward transient (``parallel_3d._CubeLinear``, ``n`` tokens, q the cube
+    side), the larger of its two moments: gathering dy, x and A, the three outputs next to
+    gloo's receive buffer of the largest, ``q (n in + n out + in out + max(n in, n out,
+    in out)) / t`` (the three buffers coexist only when gloo's thread runs the gathers at
+    once: timing; the floor of several steps holds about one); then computing, with the
+    gathered x, dy and A live, dA and its reduce-scatter copy and shard, dx = dy A, its
+    reduce-scatter copy and shard, ``((3q + 1)(n in + in out) + q n out) / t``."""
+    sizes = (tokens * fan_in, tokens * fan_out, fan_in * fan_out)
+    gather = q * (sum(sizes) + max(sizes))
+    compute = (3 * q + 1) * (tokens * fan_in + fan_in * fan_out) + q * tokens * fan_out
+    return elem * max(gather, compute) / t
 
 
 def mlp_gradient_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
     """A block's backward transient: the gradients of its MLP hidden, the GELU's output and
     the fc1 output, ``2 n r h`` (/t where the MLP is split: every family but none); 2D and
     2.5D add fc1's SUMMA backward blocks of two steps in flight, ``min(q, 2) (n r h + r h^2)
-    / t`` (the broadcast dY and W blocks)."""
+    / t`` (the broadcast dY and W blocks); 3D: the larger, fc2's or fc1's
+    :func:`cube_backward_bytes`."""
     t = layout.tensor if layout.mode else 1
     tokens = micro * shape.seq
     hidden = shape.mlp_ratio * shape.hidden
     summa = 0.0
     if layout.mode in ('2d', '2.5d'):  # fc1's SUMMA backward: its broadcast dY and W blocks
         summa = min(layout.tensor_grid, 2) * (tokens * hidden + hidden * shape.hidden) / t
+    if layout.mode == '3d':
+        q, h = layout.tensor_grid, shape.hidden
+        return max(elem * 2 * tokens * hidden / t,
+                   cube_backward_bytes(tokens, hidden, h, q, t, elem),
+                   cube_backward_bytes(tokens, h, hidden, q, t, elem))
     return elem * (2 * tokens * hidden / t + summa)
 
 
