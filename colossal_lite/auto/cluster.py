@@ -13,7 +13,11 @@ A :class:`ClusterProfile` holds
   placement ``intra`` = every rank of the group in one node, ``inter`` = across nodes;
 * ``links``: per placement a link's latency per ring step (s), bandwidth (bytes/s) and
   ``launch_s``, a fixed cost per call (kernel launch and synchronization), from which a
-  missing table entry follows by the ring model (:func:`ring_alpha_beta`).
+  missing table entry follows by the ring model (:func:`ring_alpha_beta`); ``links['host']``
+  (optional): the host<->device link, ``latency_s`` per copy and ``bandwidth_Bps``, that
+  offloaded ZeRO states cross (``offload.host_link``; default PCIe 4.0, 10 us and 25 GB/s);
+* ``compute['cpu_adam_s_per_param']`` (optional): the host's Adam step per element of the
+  offloaded states (default ``compute['adam_s_per_param']``).
 
 Ops: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``broadcast``,
 ``reduce`` and ``p2p`` (one send between two ranks, group size 2).

@@ -50,6 +50,7 @@ from functools import lru_cache
 from typing import List, Optional, Sequence, Tuple
 
 from .. import formulas
+from . import offload
 from .cluster import ClusterProfile
 from .memory import (DP_BUCKET_BYTES, RNG_STATE_BYTES, ZERO_BUCKET_BYTES, block_kept,
                      mlp_gradient_bytes, rank_memory)
@@ -79,6 +80,9 @@ class Candidate:
     partition: str = 'uniform'
     zero: int = 0
     checkpoint: bool = False
+    placement: str = 'device'          # ZeRO-3 chunk placement: 'device', 'cpu' or 'static'
+    device_fraction: float = 1.0       # 'static': the share of chunks homed on the device
+    offload_optimizer: bool = False    # ZeRO-1/2: fp32 slices and moments on the host
 
     @property
     def stages(self) -> int:
@@ -96,6 +100,11 @@ class Candidate:
                          + f' {self.partition}')
         parts.append(f'zero={self.zero}' if self.zero else 'no zero')
         parts.append('ckpt' if self.checkpoint else 'no ckpt')
+        if self.placement != 'device':   # shown only when not the default (offload.py)
+            parts.append(self.placement + (f' f={self.device_fraction:g}'
+                                           if self.placement == 'static' else ''))
+        if self.offload_optimizer:
+            parts.append('offload optimizer')
         return ' '.join(parts)
 
 
@@ -324,7 +333,7 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
                   params=params_rank, activations_per_block=kept)
     out = []
     for zero in zeros:
-        this = cand if zero == cand.zero else replace(cand, zero=zero)
+        this = offload.normalized(cand if zero == cand.zero else replace(cand, zero=zero))
         buffers = [rank_memory(shape, l, params=n, micro=micro, microbatches=m, zero=zero,
                                checkpoint=cand.checkpoint, elem=elem, **rs)
                    for n, rs in zip(params_rank, rank_shapes)]
@@ -345,8 +354,9 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
         skew = sync_skew_time(cluster, l, zero, p * v)
         terms = dict(shared, gradient_sync=sync, exposed_sync=exposed, model_data=model_data,
                      optimizer=optimizer, memory_buffers=buffers, sync_skew=skew)
-        out.append(Estimate(this, pipe + exposed + optimizer + skew, memory, stage_time,
-                            terms))
+        est = Estimate(this, pipe + exposed + optimizer + skew, memory, stage_time, terms)
+        out.append(offload.apply(est, shape, cluster, elem) if offload.is_offloaded(this)
+                   else est)
     return out
 
 

@@ -60,6 +60,10 @@ class Plan:
                  f'  bubble {e.terms["bubble"] * 1e3:.2f} ms, exposed gradient sync '
                  f'{e.terms["exposed_sync"] * 1e3:.2f} ms, tensor comm per block '
                  f'{e.terms["block_comm"] * 1e3:.3f} ms']
+        if 'offload' in e.terms:
+            lines.append(f'  host offload {e.terms["offload"] * 1e3:.2f} ms per step, '
+                         f'{_size(max(e.terms["host_bytes"]))} per rank on the host: '
+                         + _why_offloaded(self.search, e))
         if self.per_layer:
             lines.append(f'  per-layer: {self.per_layer["note"]}')
         lines.append('runners-up:')
@@ -98,7 +102,11 @@ def plan_config(shape: ModelShape, cand: Candidate, batch: int, partition=None,
     config = dict(parallel=parallel, num_microbatches=cand.microbatches)
     if cand.zero:
         config['zero'] = (dict(stage=cand.zero) if cand.zero < 3
-                          else dict(stage=3, placement='device'))
+                          else dict(stage=3, placement=cand.placement))
+        if cand.zero == 3 and cand.placement == 'static':
+            config['zero']['device_fraction'] = cand.device_fraction
+        if cand.zero < 3 and cand.offload_optimizer:
+            config['zero']['offload_optimizer'] = True
     model = dict(type=shape.kind, preset=shape.preset)
     defaults = {}
     if shape.preset is not None:
@@ -149,9 +157,22 @@ def _why(est: Estimate, best: Estimate, budget: float) -> str:
              'exposed gradient sync': est.terms['exposed_sync'] - best.terms['exposed_sync'],
              'tensor-parallel communication': est.terms['tensor_comm'] - best.terms['tensor_comm'],
              'compute (recompute or more layers per rank)':
-                 est.terms['compute'] - best.terms['compute']}
+                 est.terms['compute'] - best.terms['compute'],
+             'host offload (copies over the host link, CPU Adam)':
+                 est.terms.get('offload', 0.0) - best.terms.get('offload', 0.0)}
     main = max(diffs, key=diffs.get)
     return f'{slower * 100:.1f}% slower, mostly {main}'
+
+
+def _why_offloaded(result: SearchResult, best: Estimate) -> str:
+    """Why an offloaded plan won: no device-placement candidate fits, or the fastest that
+    does is slower."""
+    from .offload import is_offloaded
+    on_device = [e for e in result.feasible if not is_offloaded(e.candidate)]
+    if not on_device:
+        return 'only an offloaded plan fits (no device placement fits)'
+    return (f'the fastest device placement that fits ({on_device[0].candidate.describe()}) '
+            f'is {(on_device[0].step_time / best.step_time - 1) * 100:.1f}% slower')
 
 
 def _runners_up(result: SearchResult, best: Estimate, count: int) -> List[tuple]:
@@ -166,6 +187,12 @@ def _runners_up(result: SearchResult, best: Estimate, count: int) -> List[tuple]
             out.append((est, _why(est, best, result.budget)))
         if len(out) >= count:
             break
+    from .offload import is_offloaded
+    # the fastest fitting plan of the other kind (offloaded / device placement), if any
+    other = next((e for e in result.feasible if e is not best and is_offloaded(e.candidate)
+                  != is_offloaded(best.candidate)), None)
+    if other is not None and all(other is not e for e, _ in out):
+        out.append((other, _why(other, best, result.budget)))
     for est in result.infeasible[:2]:
         out.append((est, _why(est, best, result.budget)))
     return out

@@ -6,7 +6,10 @@
 2. for each: micro-batch counts M, schedules (1F1B, GPipe, zero bubble, interleaved V=2),
    partitions ('uniform', 'parameters'), ZeRO stages (3 only without pipeline, serial or
    1D tensor: what the chunk engine runs), checkpointing of all blocks or none;
-3. the fastest candidate that fits the memory wins (:func:`search`).
+3. a ZeRO-3 or ZeRO-1/2 candidate that does not fit is also costed offloaded
+   (``offload.variants``: chunk placements 'cpu' and 'static', ``offload_optimizer``), from
+   its device estimate;
+4. the fastest candidate that fits the memory wins (:func:`search`).
 
 Per-layer choices (a checkpoint flag per block, an explicit pipeline cut) are searched for
 the chosen layout only and written into its config (``planner.per_layer_choices``): :func:`dp_layers`
@@ -23,6 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..config import ConfigError, ParallelLayout
 from ..families import family, integer_root
+from . import offload
 from .cluster import ClusterProfile
 from .cost import Candidate, Estimate, evaluate_zero_stages, stage_ranges
 from .model_spec import ModelShape
@@ -158,6 +162,10 @@ def search(shape: ModelShape, cluster: ClusterProfile, devices: int, batch: int,
                                             ranges=ranges_cache[key]):
                 count += 1
                 (feasible if est.peak_memory <= budget else infeasible).append(est)
+                if est.peak_memory > budget:   # only then can offloading matter
+                    for var in offload.variants(est, shape, cluster):
+                        count += 1
+                        (feasible if var.peak_memory <= budget else infeasible).append(var)
     feasible.sort(key=lambda e: (e.step_time, e.peak_memory))
     infeasible.sort(key=lambda e: e.peak_memory)
     return SearchResult(feasible, infeasible[:keep_infeasible], count, budget)
