@@ -214,3 +214,54 @@ def test_plan_offloads_only_when_nothing_else_fits():
     assert 'placement' not in large.config.get('zero', {}) or \
         large.config['zero']['placement'] == 'device'
     assert 'offload_optimizer' not in large.config.get('zero', {})
+
+
+def test_one_device_offloads_a_model_whose_states_exceed_it():
+    """Colossal-AI trains a GPT-2 larger than one GPU on that GPU by keeping its states on
+    the host: gpt2-xl (1.56 B parameters, 16 B each = 23 GiB of weights, gradients and Adam
+    moments) on one 16 GiB device. Every device placement needs more than 16 GiB; the plan
+    offloads, fits, and names its placement; without ZeRO stages at one replica (the search
+    before ``offload_only_stages``) there is no plan."""
+    from colossal_lite.auto import plan
+    from colossal_lite.auto.search import search
+    shape = model_shape('gpt', 'gpt2-xl', 1024)
+    prof = load_profile('nvlink8').with_devices(1, 16 * 2 ** 30)
+    result = search(shape, prof, 1, 8)
+    assert result.feasible and all(offload.is_offloaded(e.candidate) for e in result.feasible)
+    device = [e for e in result.infeasible if not offload.is_offloaded(e.candidate)]
+    assert device and min(e.peak_memory for e in device) > 16 * 2 ** 30
+    assert offload.offload_only_stages(ParallelLayout(1, 1, None, 1, 1)) == (1, 2, 3)
+    assert offload.offload_only_stages(ParallelLayout(1, 1, None, 1, 2)) == ()
+    p = plan('gpt2-xl', devices=1, memory_gb=16, batch=8, seq=1024, cluster='nvlink8')
+    cand = p.estimate.candidate
+    assert offload.is_offloaded(cand) and cand.layout.data == 1
+    assert p.memory_per_device <= 16 * 2 ** 30 < 16 * sum(offload.model_numels(shape))
+    assert max(p.estimate.terms['host_bytes']) > 16 * 2 ** 30
+    assert 'only an offloaded plan fits' in p.report()
+
+
+def _losses_worker(rank, zero, micro, steps):
+    from colossal_lite.testing import engine_step
+    engine = _engine(zero, micro)
+    return [float(engine_step(engine, _batch())['loss']) for _ in range(steps)]
+
+
+def test_one_device_offloaded_plan_trains_like_no_zero():
+    """A plan for the tiny GPT on one device under a budget below every device placement:
+    its zero section (offloaded) trains 3 steps with the losses of the same model without
+    ZeRO."""
+    from colossal_lite.auto import plan
+    from colossal_lite.auto.search import search
+    from colossal_lite.testing import run_distributed
+    shape = _shape()
+    prof = load_profile('nvlink8').with_devices(1)
+    everything = search(shape, prof, 1, BATCH, memory_bytes=float('inf'))
+    smallest = min(e.peak_memory for e in everything.feasible
+                   if not offload.is_offloaded(e.candidate))
+    p = plan('gpt:tiny', devices=1, memory_gb=0.99 * smallest / 2 ** 30, batch=BATCH, seq=16,
+             cluster='nvlink8', **OPTS)
+    assert offload.is_offloaded(p.estimate.candidate), p.estimate.candidate.describe()
+    micro = p.config['num_microbatches']
+    (got,) = run_distributed(_losses_worker, 1, {}, p.config['zero'], micro, 3, timeout=TIMEOUT)
+    (ref,) = run_distributed(_losses_worker, 1, {}, None, micro, 3, timeout=TIMEOUT)
+    assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)

@@ -191,6 +191,17 @@ def offload_time(cluster: ClusterProfile, off: Offload) -> float:
 
 
 # ------------------------------------------------------------------------------- estimates
+def offload_only_stages(layout) -> Tuple[int, ...]:
+    """ZeRO stages the search costs offloaded only: with one data replica ZeRO shards
+    nothing (its device placement holds what no ZeRO holds, and is slower), but moving the
+    states to the host is what fits a model larger than the device (Colossal-AI's GPT-2 on
+    one GPU). The stages the runtime runs there: 3 without pipeline for no tensor mode or
+    1D, 1/2 otherwise; none for sequence parallelism."""
+    if layout.data > 1 or layout.mode == 'sequence':
+        return ()
+    return (1, 2, 3) if layout.pipeline == 1 and layout.mode in (None, '1d') else (1, 2)
+
+
 def is_offloaded(cand) -> bool:
     return (cand.zero == 3 and cand.placement != 'device') or (
         cand.zero in (1, 2) and cand.offload_optimizer)

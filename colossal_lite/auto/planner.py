@@ -220,11 +220,13 @@ def _checkpoint_dp(shape: ModelShape, cluster: ClusterProfile, cand: Candidate, 
         if plain.memory[rank] <= budget:
             continue
         buffers = plain.terms['memory_buffers'][rank]   # memory.RankMemory
-        if not blocks or buffers.states + buffers.phase_b > budget:
+        # the device states: an offloaded candidate's model data moved (offload.apply)
+        states = buffers.states + plain.memory[rank] - buffers.peak
+        if not blocks or states + buffers.phase_b > budget:
             return None   # its gradients' peak does not fit whatever is recomputed
         held = in_flight(cand.schedule, l.pipeline, cand.microbatches, cand.chunks, rank)
         keep = buffers.activations / len(blocks)       # one block's share of phase A
-        other = buffers.states + buffers.phase_a - buffers.activations
+        other = states + buffers.phase_a - buffers.activations
         options = [[(0.0, keep), (recompute, held * keep_ck)]] * len(blocks)
         _, picks = dp_layers(options, max(0.0, budget - other - transient))
         if not picks:

@@ -8,7 +8,8 @@
    1D tensor: what the chunk engine runs), checkpointing of all blocks or none;
 3. a ZeRO-3 or ZeRO-1/2 candidate that does not fit is also costed offloaded
    (``offload.variants``: chunk placements 'cpu' and 'static', ``offload_optimizer``), from
-   its device estimate;
+   its device estimate; with one data replica, where ZeRO on the device only adds work,
+   its stages are costed offloaded only (``offload.offload_only_stages``);
 4. the fastest candidate that fits the memory wins (:func:`search`).
 
 Per-layer choices (a checkpoint flag per block, an explicit pipeline cut) are searched for
@@ -119,7 +120,7 @@ def candidate_groups(shape: ModelShape, layout: ParallelLayout, batch: int
     zeros = [0, 1, 2] if layout.mode != 'sequence' else [0]
     if p == 1 and layout.mode in (None, '1d'):
         zeros.append(3)
-    if layout.data == 1:
+    if layout.data == 1:   # one replica: ZeRO shards nothing on the device (offload.py)
         zeros = [0]
     for m in microbatch_options(layout, batch):
         scheds = [('1f1b', 1)] if p == 1 else []
@@ -158,10 +159,12 @@ def search(shape: ModelShape, cluster: ClusterProfile, devices: int, batch: int,
             key = (cand.stages, cand.partition)
             if key not in ranges_cache:
                 ranges_cache[key] = stage_ranges(shape, cand.stages, cand.partition)
-            for est in evaluate_zero_stages(shape, cluster, cand, zeros, batch,
+            hosted = offload.offload_only_stages(layout)
+            for est in evaluate_zero_stages(shape, cluster, cand, zeros + hosted, batch,
                                             ranges=ranges_cache[key]):
-                count += 1
-                (feasible if est.peak_memory <= budget else infeasible).append(est)
+                if est.candidate.zero not in hosted:
+                    count += 1
+                    (feasible if est.peak_memory <= budget else infeasible).append(est)
                 if est.peak_memory > budget:   # only then can offloading matter
                     for var in offload.variants(est, shape, cluster):
                         count += 1
