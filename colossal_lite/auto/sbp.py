@@ -1,5 +1,7 @@
 """An AutoDDL-style analysis of one attention layer: per-matmul Split/Broadcast/Partial
-(SBP) layouts on a device mesh, searched by coordinate descent and by exhaustive search.
+(SBP) layouts on a device mesh, searched by coordinate descent and by exhaustive search;
+and the primitives (states, kinds, duality, conversion costs in elements or alpha-beta
+time) of the whole-block engine, ``auto/sbp_block.py`` (docs/planner_autoddl.md).
 
 Analysis only: our runtime executes one tensor family per model, not a layout per matmul;
 this module measures how far per-matmul layouts could cut activation traffic (AutoDDL's
@@ -28,11 +30,59 @@ needs Q, K, V and gives the context with no P axis (heads ``S1`` or batch ``S0``
 the layer's output is split on every axis (AutoDDL's constraint for LayerNorm/dropout) and,
 layers being repeated, is the next layer's input. Memory: every weight must be split at
 least ``min_weight_split`` ways.
+
+**Backward and time** (used by the whole-block engine, ``auto/sbp_block.py``). The gradient
+of a tensor in forward state ``B`` is ``P`` (the devices' consumers of the copies compute
+different parts of the result, so each device's gradient is a partial sum; every backward
+op is linear in the gradient, so a partial sum passes through it against replicated saved
+activations), ``S`` stays ``S``, ``P`` becomes ``B``. (A valid choice everywhere, as in
+OneFlow and AutoDDL; not always the cheapest: a copy consumed redundantly could keep a
+``B`` gradient.) A
+forward conversion ``src -> dst`` has the backward conversion ``dual(dst) -> dual(src)``
+on the gradient, per axis, with the same received elements and the same ring steps:
+
+==========================  ===========================  ==========  =========
+forward (per axis)          backward on the gradient     elements    steps
+==========================  ===========================  ==========  =========
+S -> B    all_gather        P -> S    reduce_scatter     (p-1) L_S   p-1
+B -> S    slice (free)      S -> P    zero-pad (free)    0           0
+P -> S    reduce_scatter    S -> B    all_gather         (p-1) L_S   p-1
+P -> B    all_reduce        P -> B    all_reduce         2(p-1)/p L  2(p-1)
+S0 <-> S1 all_to_all        S1 <-> S0 all_to_all         (p-1)/p L   p-1
+==========================  ===========================  ==========  =========
+
+(``L_S`` the split local size, ``L = p L_S`` the unsplit one: a ``P`` tensor holds the
+full extent on its axis, as ``B`` does, so local sizes match step by step in the
+reversed order and the cheapest order of one is the reverse of the other's.)
+
+The matmul's backward, per axis (``dY`` arrives in ``dual(Y)``; ``X`` saved in its
+forward state; ``dX = dY W^T``, ``dW = X^T dY``):
+
+=====  ======  ======  ==========================================================
+kind   dY      dX      dW
+=====  ======  ======  ==========================================================
+M      S0      S0      P  (X^T dY contracts the split tokens: a partial sum per device)
+N      S1      P       S1 (= W's state: local)
+K      B       S1      S0 (= W's state: local)
+=====  ======  ======  ==========================================================
+
+so ``dX`` is ``dual(X)`` and the only weight traffic is the reduction of ``dW`` over the
+``M`` axes, once per step: a reduce_scatter per ``M`` axis then an all_gather per ``M``
+axis, ``2(P_M-1)/P_M`` times the local weight elements in all (``P_M`` = product of the
+``M`` axes), each step on one axis.
+
+Time (:class:`Links`): a step on axis ``a`` with ``p`` devices costs
+``steps * alpha_a + received * elem_bytes * beta_a``, ``steps`` = ``p-1`` for all_gather,
+reduce_scatter and all_to_all and ``2(p-1)`` for all_reduce; ``received`` is the element
+count above, which is the ring bandwidth term: all_reduce ``2(p-1)/p n``, the others
+``(p-1)/p n`` with ``n`` the all_gather output or the reduce_scatter input.
 """
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 KINDS = ('M', 'N', 'K')
 X_STATE = {'M': 'S0', 'N': 'B', 'K': 'S1'}
@@ -40,6 +90,9 @@ W_STATE = {'M': 'B', 'N': 'S1', 'K': 'S0'}
 Y_STATE = {'M': 'S0', 'N': 'S1', 'K': 'P'}
 CORE_STATES = ('S0', 'S1', 'B')
 OUT_STATES = ('S0', 'S1')
+DUAL = {'S0': 'S0', 'S1': 'S1', 'B': 'P', 'P': 'B'}
+DW_STATE = {'M': 'P', 'N': 'S1', 'K': 'S0'}
+STEPS = {'all_gather': 1, 'reduce_scatter': 1, 'all_to_all': 1, 'all_reduce': 2}
 
 
 def _local(full: float, mesh: Sequence[int], state: Sequence[str]) -> float:
@@ -50,21 +103,31 @@ def _local(full: float, mesh: Sequence[int], state: Sequence[str]) -> float:
     return full / split
 
 
-def _step(p: int, src: str, dst: str, local: float) -> Tuple[float, float]:
-    """(elements received, local size after) of one axis going src -> dst."""
+def _collective(p: int, src: str, dst: str, local: float) -> Tuple[Optional[str], float, float]:
+    """(collective, elements received, local size after) of one axis of ``p`` devices going
+    ``src -> dst``; ``None`` for the free steps (slice B -> S, zero-pad S -> P)."""
     if src == dst or p == 1:
-        return 0.0, local
+        return None, 0.0, local
     if dst == 'B':
         if src == 'P':
-            return 2 * (p - 1) / p * local, local
-        return (p - 1) * local, local * p           # all_gather
+            return 'all_reduce', 2 * (p - 1) / p * local, local
+        return 'all_gather', (p - 1) * local, local * p
     if src == 'B':
-        return 0.0, local / p                        # slice
+        return None, 0.0, local / p if dst != 'P' else local     # slice; B -> P keeps one copy
     if src == 'P':
-        return (p - 1) / p * local, local / p        # reduce_scatter
+        return 'reduce_scatter', (p - 1) / p * local, local / p
     if dst == 'P':
+        return None, 0.0, local * p                              # zero-pad to the full extent
+    return 'all_to_all', (p - 1) / p * local, local
+
+
+def _step(p: int, src: str, dst: str, local: float) -> Tuple[float, float]:
+    """(elements received, local size after) of one axis going src -> dst (forward only:
+    a split tensor never becomes partial there)."""
+    if src in ('S0', 'S1') and dst == 'P' and p > 1:
         raise ValueError('a split tensor never becomes partial')
-    return (p - 1) / p * local, local                # all_to_all S0 <-> S1
+    _, cost, local = _collective(p, src, dst, local)
+    return cost, local
 
 
 def convert(full: float, mesh: Sequence[int], src: Sequence[str], dst: Sequence[str]) -> float:
@@ -79,6 +142,71 @@ def convert(full: float, mesh: Sequence[int], src: Sequence[str], dst: Sequence[
             total += cost
         best = min(best, total)
     return 0.0 if not axes else best
+
+
+@dataclass(frozen=True)
+class Links:
+    """Per-axis ring links for the time metric: ``axes[a] = (alpha_s, beta_s_per_byte)``
+    (one pair per mesh axis, e.g. NVLink for inner axes, the network for outer ones)."""
+    axes: Tuple[Tuple[float, float], ...]
+    elem_bytes: int = 2
+
+
+def _price(links: Optional[Links], axis: int, p: int, op: Optional[str], received: float
+           ) -> float:
+    """The cost of one step: its received elements, or (``links``) its alpha-beta time."""
+    if links is None or op is None:
+        return received
+    alpha, beta = links.axes[axis]
+    return STEPS[op] * (p - 1) * alpha + received * links.elem_bytes * beta
+
+
+@functools.lru_cache(maxsize=1 << 20)
+def transfer(full: float, mesh: Tuple[int, ...], src: Tuple[str, ...], dst: Tuple[str, ...],
+             links: Optional[Links] = None) -> float:
+    """Cheapest cost (elements received per device, or time under ``links``) of turning a
+    tensor of ``full`` elements from ``src`` to ``dst``, one axis at a time in the best
+    order (exact: a shortest path over the sets of axes already converted, since the local
+    size after a set does not depend on its order). Unlike :func:`convert`, a split tensor
+    may become partial (zero-pad), which the backward of a slice does."""
+    axes = tuple(a for a in range(len(mesh)) if src[a] != dst[a] and mesh[a] > 1)
+    start = _local(full, mesh, src)
+
+    @functools.lru_cache(maxsize=None)
+    def rest(done: frozenset, local: float) -> float:
+        best = 0.0 if len(done) == len(axes) else float('inf')
+        for a in axes:
+            if a not in done:
+                op, got, after = _collective(mesh[a], src[a], dst[a], local)
+                best = min(best, _price(links, a, mesh[a], op, got) + rest(done | {a}, after))
+        return best
+    return rest(frozenset(), start)
+
+
+def dual(state: Sequence[str]) -> Tuple[str, ...]:
+    """The state of a tensor's gradient, per axis (B <-> P, S stays S)."""
+    return tuple(DUAL[s] for s in state)
+
+
+def transfer_backward(full: float, mesh: Tuple[int, ...], src: Tuple[str, ...],
+                      dst: Tuple[str, ...], links: Optional[Links] = None) -> float:
+    """The backward of the forward conversion ``src -> dst``: its gradient goes
+    ``dual(dst) -> dual(src)`` (all_gather <-> reduce_scatter, all_reduce and all_to_all
+    stay, slice <-> zero-pad)."""
+    return transfer(full, mesh, dual(dst), dual(src), links)
+
+
+def weight_grad(full: float, mesh: Tuple[int, ...], kinds: Sequence[str],
+                links: Optional[Links] = None) -> float:
+    """Once per step: the reduction of a weight's gradient (``full`` elements) over the axes
+    where the weight is replicated (kind ``M``: dW is ``P``): reduce_scatter ``P -> S`` on
+    each, then all_gather ``S -> B``, each in its best order; ``2(P_M-1)/P_M`` times the
+    local weight elements received, as one ring all_reduce over the ``M`` axes."""
+    part = tuple('P' if k == 'M' else W_STATE[k] for k in kinds)
+    scattered = tuple('S0' if k == 'M' else W_STATE[k] for k in kinds)
+    whole = tuple('B' if k == 'M' else W_STATE[k] for k in kinds)
+    return (transfer(full, mesh, part, scattered, links)
+            + transfer(full, mesh, scattered, whole, links))
 
 
 def weight_split(mesh: Sequence[int], kinds: Sequence[str]) -> int:
