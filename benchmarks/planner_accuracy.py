@@ -18,14 +18,15 @@
    ``live bytes + peak RSS growth`` over one step (``measured_peak_rss_bytes``: adds
    allocator slack and gloo's buffers); and the live tensor bytes after the step (model
    data, compared exactly). Every layout is measured once (``ROUNDS``) and the top plans of
-   each model (``top_plans``: the ``TOP`` fastest predicted within each budget) once more
-   (``TOP_ROUNDS``, in reverse order); the step time of a layout is the median over its
-   runs of (median over steps of the slowest rank). A layout the runtime fails on is
+   each model (``top_plans``: the ``TOP`` fastest predicted within each budget) twice more
+   (``TOP_ROUNDS``, in reverse order, then forward); the step time of a layout is the
+   median over its runs of (median over steps of the slowest rank): for a top plan the
+   middle of three. A layout the runtime fails on is
    recorded with its error and left out of the analysis.
 3. Per (model, size) two budgets -- unlimited, and the median predicted peak (it excludes
    the hungrier half): Kendall τ between predicted and measured step time of all the
-   layouts that fit and of the top plans, the measurement's own τ (the top plans' two
-   runs), the planner's pick (fastest predicted that fits) against the best measured that
+   layouts that fit and of the top plans, the measurement's own τ (the top plans' first
+   two runs), the planner's pick (fastest predicted that fits) against the best measured that
    fits.
 
 Run: ``PYTHONPATH=. python benchmarks/planner_accuracy.py [--quick | --memory-only]`` ->
@@ -64,7 +65,7 @@ from colossal_lite.config import ParallelLayout  # noqa: E402
 from colossal_lite.testing import run_distributed  # noqa: E402
 from colossal_lite.testing.distributed import ChildFailed  # noqa: E402
 
-WORLD, WARMUP, STEPS, ROUNDS, TOP_ROUNDS = 4, 2, 10, 1, 1
+WORLD, WARMUP, STEPS, ROUNDS, TOP_ROUNDS = 4, 2, 10, 1, 2
 TIMED_S, MAX_STEPS = 1.0, 60   # fast layouts run more steps: about TIMED_S of timed steps
 TOP = 10   # the top plans: the fastest predicted that fit
 TEXT = dict(vocab_size=256, max_positions=64, dropout=0.0)
