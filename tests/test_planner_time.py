@@ -229,6 +229,24 @@ def test_zero3_prefetched_gathers_hide_behind_the_previous_chunks_compute():
     assert est.terms['exposed_sync'] < est.terms['gradient_sync']
 
 
+def test_timed_points_that_fall_with_more_samples_are_pooled():
+    """A block timed faster at 4 samples than at 2 (1D 2 at h = 128 in a real profile:
+    10.9, 7.6, 20.1, 46.5 ms at 2, 4, 8, 16) is noise: the two points are pooled to their
+    mean, so 2 micro-batches of 4 never cost less than one of 8 by the dip alone."""
+    from colossal_lite.auto.profile import (family_block_seconds, family_rest_seconds,
+                                            nondecreasing)
+    assert nondecreasing([10.9, 7.6, 20.1, 46.5]) == pytest.approx([9.25, 9.25, 20.1, 46.5])
+    assert nondecreasing([3, 2, 1, 5]) == pytest.approx([2, 2, 2, 5])
+    assert nondecreasing([1, 2, 2, 3]) == [1, 2, 2, 3]
+    entry = dict(_entry(5e-3, 1e-11), flops=[1e9, 2e9, 4e9, 8e9],
+                 block_s=[0.0109, 0.0076, 0.0201, 0.0465],
+                 one_s=[0.0158, 0.0220, 0.0359, 0.0604], tokens=[128, 256, 512, 1024])
+    assert family_block_seconds(entry, 2e9) == pytest.approx(0.00925)
+    assert family_block_seconds(entry, 1e9) == pytest.approx(0.00925)
+    assert 2 * family_block_seconds(entry, 2e9) <= family_block_seconds(entry, 4e9)
+    assert family_rest_seconds(entry, 256) == pytest.approx(0.0220 - 0.00925)
+
+
 def test_a_block_between_timed_batches_takes_the_measured_points():
     """``profile.family_block_seconds``: between the timed batches the measured points
     (piecewise linear in FLOPs), beyond them the fitted seconds per FLOP; ``rest`` from the

@@ -252,7 +252,7 @@ FAMILY_LAYOUTS = ((None, 1), ('1d', 2), ('1d', 4), ('2d', 4), ('sequence', 2), (
 FAMILY_MODEL = dict(vocab_size=256, max_positions=64, hidden=128, heads=4, dropout=0.0)
 FAMILY_HIDDENS = (64, 128)   # block widths timed: the cost model takes the nearest (log scale)
 FAMILY_BATCHES = (2, 4, 8, 16)   # samples per data replica (2D splits it by q = 2)
-FAMILY_REPEATS = 7
+FAMILY_REPEATS = 11
 
 
 def _family_shape(hidden: int = FAMILY_MODEL['hidden']):
@@ -361,16 +361,30 @@ def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float,
     return ys[i - 1] + w * (ys[i] - ys[i - 1])
 
 
+def nondecreasing(ys: Sequence[float]) -> List[float]:
+    """The non-decreasing sequence nearest ``ys`` in least squares (pool adjacent
+    violators): a run of timed points that falls is replaced by its mean."""
+    pools: List[List[float]] = []            # [mean, count]
+    for y in ys:
+        pools.append([float(y), 1])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            (m2, n2), (m1, n1) = pools.pop(), pools.pop()
+            pools.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in pools for _ in range(int(n))]
+
+
 def family_block_seconds(entry: dict, flops: float, per_flop: float = None) -> float:
     """Forward + backward seconds of one block of ``flops`` (forward FLOPs x 3) from a
-    family entry: between the timed batches the measured points themselves (piecewise
-    linear in FLOPs, no least-squares line through noisy points), beyond them continued
-    at ``per_flop`` (default the fitted ``seconds_per_flop``); entries without the points
-    (older profiles): the fit ``overhead + per_flop * flops``."""
+    family entry: between the timed batches the measured points (piecewise linear in FLOPs,
+    no least-squares line through noisy points), made non-decreasing (:func:`nondecreasing`:
+    more samples never take less time, so a point below a smaller batch's is noise), beyond
+    them continued at ``per_flop`` (default the fitted ``seconds_per_flop``); entries
+    without the points (older profiles): the fit ``overhead + per_flop * flops``."""
     per_flop = entry['seconds_per_flop'] if per_flop is None else per_flop
     if 'flops' not in entry:
         return entry['overhead'] + per_flop * flops
-    return max(1e-6, _interpolate(entry['flops'], entry['block_s'], flops, per_flop))
+    return max(1e-6, _interpolate(entry['flops'], nondecreasing(entry['block_s']), flops,
+                                  per_flop))
 
 
 def family_forward_share(entry: dict, flops: float) -> float:
@@ -389,7 +403,8 @@ def family_rest_seconds(entry: dict, tokens: float) -> float:
     smallest batch's for entries without the points."""
     if 'one_s' not in entry:
         return float(entry.get('rest', 0.0))
-    rest = [max(0.0, one - block) for one, block in zip(entry['one_s'], entry['block_s'])]
+    rest = [max(0.0, one - block) for one, block in zip(nondecreasing(entry['one_s']),
+                                                        nondecreasing(entry['block_s']))]
     return _interpolate(entry['tokens'], rest, tokens)
 
 
