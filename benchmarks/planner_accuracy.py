@@ -367,7 +367,12 @@ def main():
     parser.add_argument('--world', type=int, default=WORLD,
                         help='with --memory-only: ranks (8: eight_rank_subset, '
                              'results/planner_accuracy_memory_8.json)')
+    parser.add_argument('--profile-sensitivity', nargs='+', metavar='RESULTS_JSON',
+                        help="the stored measurements predicted with other runs' profiles "
+                             '(results/planner_accuracy_profiles.json)')
     args = parser.parse_args()
+    if args.profile_sensitivity:
+        return profile_sensitivity(args.profile_sensitivity)
     if args.memory_only:
         return memory_only(args.reanalyse, args.world)
     from colossal_lite.auto.cluster import ClusterProfile
@@ -445,6 +450,41 @@ def _upgrade_profile(profile, env):
         compute['family_blocks'] = refit_family_blocks(compute['family_blocks'], WORLD)
     if 'cores' not in compute and env.get('cpu_count'):
         compute['ranks'], compute['cores'] = WORLD, env['cpu_count']
+
+
+def profile_sensitivity(paths):
+    """The stored measurements (results/planner_accuracy.json) predicted with the profile of
+    each results file in ``paths`` (another sweep's, measured at another time on this
+    machine) next to their own: how much of the ranking error is the profile's run-to-run
+    noise. Writes results/planner_accuracy_profiles.json (the profiles included, so a rerun
+    reproduces it)."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results')
+    with open(os.path.join(here, 'planner_accuracy.json')) as f:
+        stored = json.load(f)
+    from colossal_lite.auto.cluster import ClusterProfile
+    rows, out = [['profile', 'tau >= 0.8', 'top tau >= 0.8', 'regret <= 10%', 'tau per case',
+                  'regret per case']], []
+    sources = [('own', stored)] + [(path, json.load(open(path))) for path in paths]
+    for name, data in sources:
+        profile = ClusterProfile.from_json(data['profile'])
+        _upgrade_profile(profile, data.get('environment', {}))
+        summary = analyse(predict(stored['raw'], profile))
+        taus = [s['kendall_tau'] for s in summary]
+        tops = [s['kendall_tau_top'] for s in summary]
+        regret = [s['pick_regret'] for s in summary]
+        out.append(dict(profile_from=name, profile=data['profile'], summary=summary,
+                        tau_at_least_08=sum(t >= 0.8 for t in taus),
+                        top_tau_at_least_08=sum(t >= 0.8 for t in tops),
+                        regret_within_10=sum(r <= 0.10 for r in regret)))
+        rows.append([name, f'{out[-1]["tau_at_least_08"]}/{len(taus)}',
+                     f'{out[-1]["top_tau_at_least_08"]}/{len(tops)}',
+                     f'{out[-1]["regret_within_10"]}/{len(regret)}',
+                     ' '.join(f'{t:.2f}' for t in taus),
+                     ' '.join(f'{r * 100:.0f}' for r in regret)])
+    print_table(rows)
+    print('wrote', write_json('planner_accuracy_profiles', dict(
+        cases=[f"{s['model']}-{s['size']} {s['budget']}" for s in out[0]['summary']],
+        profiles=out, environment=environment())))
 
 
 def eight_rank_subset(cand) -> bool:
