@@ -375,15 +375,13 @@ def main():
         return profile_sensitivity(args.profile_sensitivity)
     if args.memory_only:
         return memory_only(args.reanalyse, args.world)
-    from colossal_lite.auto.cluster import ClusterProfile
     from colossal_lite.auto.profile import measure
     start = time.perf_counter()
     if args.reanalyse:
         with open(os.path.join(os.path.dirname(__file__), 'results',
                                'planner_accuracy.json')) as f:
             old = json.load(f)
-        profile, raw = ClusterProfile.from_json(old['profile']), old['raw']
-        _upgrade_profile(profile, old.get('environment', {}))
+        profile, raw = stored_profile(old), old['raw']
         if args.reprofile:
             profile = measure('this machine (measured)')
         load_before, load_after = old['load_average_before'], old['load_average_after']
@@ -440,6 +438,14 @@ def main():
     print('wrote', path, f'in {time.perf_counter() - start:.0f} s')
 
 
+def stored_profile(data):
+    """The profile of a stored results file, upgraded (:func:`_upgrade_profile`)."""
+    from colossal_lite.auto.cluster import ClusterProfile
+    profile = ClusterProfile.from_json(data['profile'])
+    _upgrade_profile(profile, data.get('environment', {}))
+    return profile
+
+
 def _upgrade_profile(profile, env):
     """A profile stored before the time-model fixes: its per-family blocks refitted to the
     samples each rank ran (``profile.refit_family_blocks``) and the ranks / cores it was
@@ -461,13 +467,11 @@ def profile_sensitivity(paths):
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results')
     with open(os.path.join(here, 'planner_accuracy.json')) as f:
         stored = json.load(f)
-    from colossal_lite.auto.cluster import ClusterProfile
     rows, out = [['profile', 'tau >= 0.8', 'top tau >= 0.8', 'regret <= 10%', 'tau per case',
                   'regret per case']], []
     sources = [('own', stored)] + [(path, json.load(open(path))) for path in paths]
     for name, data in sources:
-        profile = ClusterProfile.from_json(data['profile'])
-        _upgrade_profile(profile, data.get('environment', {}))
+        profile = stored_profile(data)
         summary = analyse(predict(stored['raw'], profile))
         taus = [s['kendall_tau'] for s in summary]
         tops = [s['kendall_tau_top'] for s in summary]

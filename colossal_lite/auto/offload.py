@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from .cluster import ClusterProfile
@@ -106,6 +107,7 @@ def model_numels(shape, tensor: int = 1) -> List[int]:
     return [-(-n // tensor) for n in numels]
 
 
+@lru_cache(maxsize=256)
 def chunk_shards(shape, data: int, tensor: int = 1) -> Tuple[int, ...]:
     """The chunk layout the runtime builds with ``chunk_size_mb=None``: the searched capacity
     (``search_chunk_size``, as ``cost.zero3_chunks``), tensors packed in model order."""
@@ -195,11 +197,9 @@ def offload_only_stages(layout) -> Tuple[int, ...]:
     """ZeRO stages the search costs offloaded only: with one data replica ZeRO shards
     nothing (its device placement holds what no ZeRO holds, and is slower), but moving the
     states to the host is what fits a model larger than the device (Colossal-AI's GPT-2 on
-    one GPU). The stages the runtime runs there: 3 without pipeline for no tensor mode or
-    1D, 1/2 otherwise; none for sequence parallelism."""
-    if layout.data > 1 or layout.mode == 'sequence':
-        return ()
-    return (1, 2, 3) if layout.pipeline == 1 and layout.mode in (None, '1d') else (1, 2)
+    one GPU): the stages the runtime runs there (``search.runtime_zero_stages``)."""
+    from .search import runtime_zero_stages
+    return tuple(z for z in runtime_zero_stages(layout) if z) if layout.data == 1 else ()
 
 
 def is_offloaded(cand) -> bool:

@@ -18,6 +18,7 @@ from ..config import ConfigError
 from .cluster import ClusterProfile, load_profile
 from .cost import Candidate, Estimate, block_memory, evaluate, stage_ranges
 from .model_spec import ModelShape, model_shape, resolve_model_name
+from .offload import is_offloaded
 from .search import SearchResult, bmw_partition, dp_layers, job_spec, search
 
 GiB = 2 ** 30
@@ -167,7 +168,6 @@ def _why(est: Estimate, best: Estimate, budget: float) -> str:
 def _why_offloaded(result: SearchResult, best: Estimate) -> str:
     """Why an offloaded plan won: no device-placement candidate fits, or the fastest that
     does is slower."""
-    from .offload import is_offloaded
     on_device = [e for e in result.feasible if not is_offloaded(e.candidate)]
     if not on_device:
         return 'only an offloaded plan fits (no device placement fits)'
@@ -187,7 +187,6 @@ def _runners_up(result: SearchResult, best: Estimate, count: int) -> List[tuple]
             out.append((est, _why(est, best, result.budget)))
         if len(out) >= count:
             break
-    from .offload import is_offloaded
     # the fastest fitting plan of the other kind (offloaded / device placement), if any
     other = next((e for e in result.feasible if e is not best and is_offloaded(e.candidate)
                   != is_offloaded(best.candidate)), None)

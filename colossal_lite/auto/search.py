@@ -117,11 +117,8 @@ def candidate_groups(shape: ModelShape, layout: ParallelLayout, batch: int
                      ) -> Iterator[Tuple[Candidate, Tuple[int, ...]]]:
     """The candidates of ``layout`` as (candidate with ZeRO 0, the ZeRO stages it runs with)."""
     p = layout.pipeline
-    zeros = [0, 1, 2] if layout.mode != 'sequence' else [0]
-    if p == 1 and layout.mode in (None, '1d'):
-        zeros.append(3)
-    if layout.data == 1:   # one replica: ZeRO shards nothing on the device (offload.py)
-        zeros = [0]
+    # one replica: ZeRO shards nothing on the device (offload.offload_only_stages)
+    zeros = runtime_zero_stages(layout) if layout.data > 1 else (0,)
     for m in microbatch_options(layout, batch):
         scheds = [('1f1b', 1)] if p == 1 else []
         if p > 1:
@@ -130,7 +127,15 @@ def candidate_groups(shape: ModelShape, layout: ParallelLayout, batch: int
                 scheds.append(('interleaved', 2))
         parts = ['uniform'] if p == 1 else ['uniform', 'parameters']
         for (sched, v), part, ckpt in itertools.product(scheds, parts, (False, True)):
-            yield Candidate(layout, m, sched, v, part, 0, ckpt), tuple(zeros)
+            yield Candidate(layout, m, sched, v, part, 0, ckpt), zeros
+
+
+def runtime_zero_stages(layout: ParallelLayout) -> Tuple[int, ...]:
+    """The ZeRO stages the runtime runs with ``layout`` (0: none): none with sequence
+    parallelism; 3 (chunk ZeRO) only without pipeline, for no tensor mode or 1D."""
+    if layout.mode == 'sequence':
+        return (0,)
+    return (0, 1, 2, 3) if layout.pipeline == 1 and layout.mode in (None, '1d') else (0, 1, 2)
 
 
 @dataclass
@@ -155,11 +160,11 @@ def search(shape: ModelShape, cluster: ClusterProfile, devices: int, batch: int,
     feasible, infeasible, count = [], [], 0
     ranges_cache: Dict[Tuple[int, str], List[range]] = {}
     for layout in layouts(shape, devices, batch):
+        hosted = offload.offload_only_stages(layout)
         for cand, zeros in candidate_groups(shape, layout, batch):
             key = (cand.stages, cand.partition)
             if key not in ranges_cache:
                 ranges_cache[key] = stage_ranges(shape, cand.stages, cand.partition)
-            hosted = offload.offload_only_stages(layout)
             for est in evaluate_zero_stages(shape, cluster, cand, zeros + hosted, batch,
                                             ranges=ranges_cache[key]):
                 if est.candidate.zero not in hosted:
