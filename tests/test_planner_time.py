@@ -317,3 +317,40 @@ def test_sync_skew_counts_each_synchronizing_point_on_the_critical_path():
                   total=[0.015, 0.018, 0.016])]
     # per repeat: last end - slowest compute = 4, 6, 4 ms; the bare medians' 2, 2, 1 ms
     assert sync_skew(ranks) == pytest.approx(0.004 - 0.002)
+
+
+def test_a_profile_of_several_rounds_takes_each_entrys_median():
+    """``profile.median_tree``: three rounds' profiles combine entry by entry (α and β of a
+    collective, each timed point of a block, the skew) into their medians, counts stay
+    integers, and the combined profile costs a layout as the median round does; rounds of a
+    different shape, or no round, are refused with the lengths / value."""
+    from colossal_lite.auto.profile import measure, median_tree
+
+    def one(alpha, beta, points, skew):
+        entry = dict(_entry(0.0, 1e-12), batches=[2, 4, 8], block_s=points,
+                     flops=[1e8, 2e8, 4e8], tokens=[128, 256, 512], one_s=points)
+        p = _profile({'none': {'1': entry}}, sync_skew_s=skew, ranks=4, cores=2)
+        p.collectives['all_reduce']['4']['intra'] = [alpha, beta]
+        return p.to_json()
+
+    rounds = [one(3e-3, 2e-9, [0.010, 0.030, 0.050], 4e-3),
+              one(1e-3, 1e-9, [0.020, 0.025, 0.070], 1e-3),
+              one(2e-3, 4e-9, [0.015, 0.040, 0.060], 2e-3)]
+    combined = ClusterProfile.from_json(median_tree(rounds))
+    assert combined.collectives['all_reduce']['4']['intra'] == [2e-3, 2e-9]
+    entry = combined.compute['family_blocks']['none']['1']
+    assert entry['block_s'] == [0.015, 0.030, 0.060]
+    assert combined.compute['sync_skew_s'] == 2e-3
+    assert combined.devices == 4 and isinstance(combined.devices, int)
+    assert combined.compute['ranks'] == 4 and combined.compute['cores'] == 2
+    # equal to a profile written with the medians by hand
+    middle = ClusterProfile.from_json(one(2e-3, 2e-9, [0.015, 0.030, 0.060], 2e-3))
+    cand = Candidate(ParallelLayout(1, 1, None, 1, 4), 1, '1f1b', 1, 'uniform', 0, False)
+    assert (evaluate(SHAPE, combined, cand, 16).step_time
+            == pytest.approx(evaluate(SHAPE, middle, cand, 16).step_time, rel=1e-12))
+    short = one(1e-3, 1e-9, [0.01, 0.02, 0.03], 1e-3)
+    short['compute']['family_blocks']['none']['1']['block_s'] = [0.01, 0.02]
+    with pytest.raises(ValueError, match=r'lengths \[3, 2\]'):
+        median_tree([rounds[0], short])
+    with pytest.raises(ValueError, match='rounds=0'):
+        measure(rounds=0)

@@ -18,7 +18,8 @@
   timed with every rank busy (``family_blocks``) is ``ranks / cores`` times slower than
   one running alone (the cost model's oversubscription, ``cost.oversubscription``).
 
-``python -m colossal_lite.auto.profile out.json`` writes the JSON.
+``python -m colossal_lite.auto.profile [--rounds R] out.json`` writes the JSON (R rounds:
+every entry the median of R whole measurements, :func:`median_tree`).
 """
 from __future__ import annotations
 
@@ -430,10 +431,43 @@ def refit_family_blocks(table: Dict[str, Dict[str, dict]], world: int = 4
     return out
 
 
+def median_tree(trees: Sequence):
+    """The element-wise median of JSON trees of one structure (profiles measured at
+    different times): numbers -> their median (integers: the lower median), lists and dicts -> per element / key (keys
+    every tree has), anything else (names, flags) -> the first tree's. A profile is a few
+    minutes of ranks time-sharing cores; its entries move by 20 - 40 % between runs, and
+    the median of a few runs is what the cost model should see."""
+    first = trees[0]
+    if isinstance(first, bool) or first is None or isinstance(first, str):
+        return first
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in trees):
+        return statistics.median_low(trees)          # counts stay integers
+    if isinstance(first, (int, float)):
+        return statistics.median(float(t) for t in trees)
+    if isinstance(first, (list, tuple)):
+        if any(len(t) != len(first) for t in trees):
+            raise ValueError(f'cannot combine lists of lengths {[len(t) for t in trees]}')
+        return [median_tree([t[i] for t in trees]) for i in range(len(first))]
+    if isinstance(first, dict):
+        return {k: median_tree([t[k] for t in trees]) for k in first
+                if all(k in t for t in trees)}
+    raise TypeError(f'cannot combine a {type(first).__name__} in a profile tree')
+
+
 def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
-            repeats: int = REPEATS) -> ClusterProfile:
+            repeats: int = REPEATS, rounds: int = 1) -> ClusterProfile:
     """A profile of this machine: 4 local ranks on one node (module doc); ``flops`` is the
-    median of the 4 ranks' block FLOP rates, measured while all 4 compute."""
+    median of the 4 ranks' block FLOP rates, measured while all 4 compute. With ``rounds``
+    > 1 the whole measurement runs that many times, one after the other, and every entry
+    is the median of the rounds (:func:`median_tree`); ``compute['rounds']`` keeps each
+    round's profile."""
+    if rounds < 1:
+        raise ValueError(f'a profile needs at least 1 round, got rounds={rounds}')
+    if rounds > 1:
+        runs = [measure(name, sizes, repeats).to_json() for _ in range(rounds)]
+        combined = median_tree(runs)
+        combined['compute']['rounds'] = runs
+        return ClusterProfile.from_json(combined)
     collectives, blocks = measure_ranks(sizes, repeats)
     return ClusterProfile(name=name, devices=4, devices_per_node=4,
                           memory_bytes=float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')) / 4,
@@ -454,9 +488,14 @@ def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
 
 def main(argv: List[str] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    rounds = 1
+    if '--rounds' in argv:
+        i = argv.index('--rounds')
+        rounds = int(argv[i + 1])
+        argv = argv[:i] + argv[i + 2:]
     path = argv[0] if argv else 'cluster_profile.json'
     start = time.perf_counter()
-    profile = measure()
+    profile = measure(rounds=rounds)
     profile.save(path)
     alpha, beta = profile.collectives['all_reduce']['4']['intra']
     print(f'wrote {path} in {time.perf_counter() - start:.1f} s: flops {profile.flops:.3g}/s, '
