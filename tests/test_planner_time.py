@@ -13,8 +13,9 @@
   adds one all_gather latency per forward and backward and one reduce_scatter per micro-step;
 * between the timed batches a block costs the measured points (not the fitted line), its
   forward the timed forward's share (what a checkpointed block recomputes);
-* each synchronizing point on the critical path (the gradient sync, each pipeline boundary
-  crossed forward and backward) adds the profile's measured ``sync_skew_s``.
+* each synchronizing point on the critical path (the gradient sync, ZeRO-1/2's weight
+  all_gather, each pipeline boundary crossed forward and backward, one more per later
+  micro-batch) adds the profile's measured ``sync_skew_s``.
 """
 import pytest
 
@@ -294,23 +295,29 @@ def test_a_block_between_timed_batches_takes_the_measured_points():
 
 def test_sync_skew_counts_each_synchronizing_point_on_the_critical_path():
     """``cost.sync_skew_time``: the profile's ``sync_skew_s`` once for the gradient sync of a
-    data group (DP, ZeRO-1/2; sequence: the D*t group), twice per pipeline boundary, never
-    for ZeRO-3 (priced per chunk) or a profile without it; ``profile.sync_skew`` measures it
-    as (last end - slowest compute) - the bare collective."""
+    data group (DP; sequence: the D*t group), twice for ZeRO-1/2 (the reduce-scatter and
+    the weight all_gather after the step), twice per pipeline boundary plus once per
+    micro-batch after the first, never for ZeRO-3 (priced per chunk) or a profile without
+    it; ``profile.sync_skew`` measures it as (last end - slowest compute) - the bare
+    collective."""
     from colossal_lite.auto.cost import sync_skew_time
     from colossal_lite.auto.profile import sync_skew
     prof = _profile({}, sync_skew_s=0.003)
-    cases = [((1, 1, None, 1, 4), 0, 1, 1), ((1, 1, None, 1, 4), 2, 1, 1),
-             ((1, 1, None, 1, 4), 3, 1, 0), ((2, 1, None, 1, 2), 0, 2, 3),
-             ((2, 1, None, 1, 1), 0, 2, 2), ((2, 1, None, 1, 1), 0, 4, 6),
-             ((1, 4, '1d', 1, 1), 0, 1, 0), ((1, 2, 'sequence', 1, 1), 0, 1, 1)]
-    for layout, zero, stages, points in cases:
-        assert sync_skew_time(prof, ParallelLayout(*layout), zero, stages) == \
-            pytest.approx(0.003 * points), (layout, zero, stages)
+    cases = [((1, 1, None, 1, 4), 0, 1, 1, 1), ((1, 1, None, 1, 4), 2, 1, 1, 2),
+             ((1, 1, None, 1, 4), 1, 1, 4, 2), ((1, 1, None, 1, 4), 3, 1, 1, 0),
+             ((2, 1, None, 1, 2), 0, 2, 1, 3), ((2, 1, None, 1, 2), 1, 2, 1, 4),
+             ((2, 1, None, 1, 2), 0, 2, 4, 6), ((2, 1, None, 1, 1), 0, 2, 1, 2),
+             ((2, 1, None, 1, 1), 0, 4, 1, 6), ((2, 1, None, 1, 1), 0, 4, 8, 13),
+             ((1, 4, '1d', 1, 1), 0, 1, 1, 0), ((1, 2, 'sequence', 1, 1), 0, 1, 1, 1)]
+    for layout, zero, stages, m, points in cases:
+        assert sync_skew_time(prof, ParallelLayout(*layout), zero, stages, m) == \
+            pytest.approx(0.003 * points), (layout, zero, stages, m)
     assert sync_skew_time(_profile({}), ParallelLayout(1, 1, None, 1, 4), 0, 1) == 0.0
-    est = evaluate(SHAPE, prof, Candidate(ParallelLayout(2, 1, None, 1, 2), 2), 16)
-    bare = evaluate(SHAPE, _profile({}), Candidate(ParallelLayout(2, 1, None, 1, 2), 2), 16)
-    assert est.step_time - bare.step_time == pytest.approx(3 * 0.003)
+    for m, points in ((1, 3), (2, 4)):   # a data group of 2 and one boundary
+        cand = Candidate(ParallelLayout(2, 1, None, 1, 2), m)
+        est = evaluate(SHAPE, prof, cand, 16)
+        bare = evaluate(SHAPE, _profile({}), cand, 16)
+        assert est.step_time - bare.step_time == pytest.approx(points * 0.003)
     ranks = [dict(bare=[0.001, 0.002, 0.001], compute=[0.010, 0.011, 0.012],
                   total=[0.016, 0.017, 0.016]),
              dict(bare=[0.002, 0.001, 0.001], compute=[0.012, 0.010, 0.009],

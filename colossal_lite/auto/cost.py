@@ -37,8 +37,10 @@ the step time. Formulas (docs/planner.md has them with their sources):
   the measured block times carry it): a pipeline takes ``max(M * T, schedule time / s)``,
   the ranks waiting in the bubble freeing their cores for the computing ones;
 * skew (``sync_skew_time``): ranks that time-share cores finish a phase at different
-  times; each synchronizing point on the critical path (the gradient sync, each pipeline
-  boundary crossed forward and backward) adds the profile's measured ``sync_skew_s``;
+  times; each synchronizing point on the critical path (the gradient sync, ZeRO-1/2's
+  weight all_gather after the step, each pipeline boundary the first micro-batch crosses
+  forward and backward, one per later micro-batch) adds the profile's measured
+  ``sync_skew_s``;
 * step = pipeline time (bubble per schedule) + exposed gradient sync + skew + the AdamW step on
   the local (ZeRO: sharded) parameters and tensors (``optimizer_time``: per element and per
   tensor stepped, ``compute['adam_s_per_param']`` and ``['adam_s_per_tensor']``).
@@ -351,7 +353,7 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
             exposed = sync
         optimizer = optimizer_time(cluster, shape, params_rank, parts, p * v > 1, zero, d,
                                    chunks)
-        skew = sync_skew_time(cluster, l, zero, p * v)
+        skew = sync_skew_time(cluster, l, zero, p * v, m)
         terms = dict(shared, gradient_sync=sync, exposed_sync=exposed, model_data=model_data,
                      optimizer=optimizer, memory_buffers=buffers, sync_skew=skew)
         est = Estimate(this, pipe + exposed + optimizer + skew, memory, stage_time, terms)
@@ -360,20 +362,25 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
     return out
 
 
-def sync_skew_time(cluster: ClusterProfile, layout, zero: int, stages: int) -> float:
+def sync_skew_time(cluster: ClusterProfile, layout, zero: int, stages: int,
+                   microbatches: int = 1) -> float:
     """Seconds ranks that time-share cores lose waiting for each other where a step's
     critical path meets a synchronizing call after compute: the profile's
     ``compute['sync_skew_s']`` (``profile.sync_skew``; 0 in profiles without it: a device
-    per rank) times the points -- the gradient sync after the last backward (data
-    parallelism and ZeRO-1/2 over a data group of 2 or more; ZeRO-3's per-chunk calls are
-    priced whole by ``zero3_exposed``), and each stage boundary the pipeline's path crosses
-    twice (forward and backward: ``2 (stages - 1)``). A tensor family's own calls are in its
-    timed blocks."""
+    per rank) times the points -- over a data group of 2 or more, the gradient sync after
+    the last backward (data parallelism and ZeRO-1/2) and ZeRO-1/2's all_gather of the
+    updated weights after the optimizer step (ZeRO-3's per-chunk calls are priced whole by
+    ``zero3_exposed``); in a pipeline, each stage boundary the first micro-batch crosses
+    forward and backward (``2 (stages - 1)``) and one more for each later micro-batch (the
+    last stage waits on its forward or the first on its returning gradient:
+    ``microbatches - 1``). A tensor family's own calls are in its timed blocks."""
     skew = float(cluster.compute.get('sync_skew_s', 0.0))
     if not skew:
         return 0.0
     group = layout.data * (layout.tensor if layout.mode == 'sequence' else 1)
-    points = 2 * (stages - 1) + (1 if group > 1 and zero in (0, 1, 2) else 0)
+    points = 2 * (stages - 1) + (microbatches - 1 if stages > 1 else 0)
+    if group > 1 and zero in (0, 1, 2):
+        points += 2 if zero else 1
     return skew * points
 
 
