@@ -464,9 +464,10 @@ def main():
 
 
 def stored_profile(data):
-    """The profile of a stored results file, upgraded (:func:`_upgrade_profile`)."""
+    """The profile of a stored results file (or a bare profile JSON), upgraded
+    (:func:`_upgrade_profile`)."""
     from colossal_lite.auto.cluster import ClusterProfile
-    profile = ClusterProfile.from_json(data['profile'])
+    profile = ClusterProfile.from_json(data.get('profile', data))
     _upgrade_profile(profile, data.get('environment', {}))
     return profile
 
@@ -506,7 +507,7 @@ def profile_sensitivity(paths):
         tops = [s['kendall_tau_top'] for s in summary]
         kinds = [s['kendall_tau_reported'] for s in summary]
         regret = [s['pick_regret'] for s in summary]
-        out.append(dict(profile_from=name, profile=data['profile'], summary=summary,
+        out.append(dict(profile_from=name, profile=data.get('profile', data), summary=summary,
                         tau_at_least_08=sum(t >= 0.8 for t in taus),
                         top_tau_at_least_08=sum(t >= 0.8 for t in tops),
                         reported_tau_at_least_08=sum(t >= 0.8 for t in kinds),

@@ -361,3 +361,12 @@ def test_a_profile_of_several_rounds_takes_each_entrys_median():
         median_tree([rounds[0], short])
     with pytest.raises(ValueError, match='rounds=0'):
         measure(rounds=0)
+    # profiles measured at different times: the median over every round of all of them
+    from colossal_lite.auto.profile import combine
+    earlier = dict(median_tree(rounds[:2]), compute=dict(median_tree(rounds[:2])['compute'],
+                                                         rounds=rounds[:2]))
+    later = one(5e-3, 3e-9, [0.030, 0.050, 0.080], 5e-3)
+    both = combine([{'profile': earlier}, later])
+    assert both.collectives['all_reduce']['4']['intra'] == [3e-3, 2e-9]
+    assert both.compute['family_blocks']['none']['1']['block_s'] == [0.020, 0.030, 0.070]
+    assert len(both.compute['rounds']) == 3

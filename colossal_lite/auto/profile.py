@@ -19,7 +19,9 @@
   one running alone (the cost model's oversubscription, ``cost.oversubscription``).
 
 ``python -m colossal_lite.auto.profile [--rounds R] out.json`` writes the JSON (R rounds:
-every entry the median of R whole measurements, :func:`median_tree`).
+every entry the median of R whole measurements, :func:`median_tree`); ``out.json
+--combine A.json B.json ...`` measures nothing and writes the median over every round of profiles
+measured at other times (:func:`combine`).
 """
 from __future__ import annotations
 
@@ -486,19 +488,47 @@ def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
                                           'forked local processes, CPU)'})
 
 
+def combine(profiles: Sequence[dict], name: str = 'this machine (combined)') -> ClusterProfile:
+    """One profile from profiles measured at different times (``to_json`` dicts, or results
+    files holding one under ``'profile'``): every entry the median over all their rounds
+    (``compute['rounds']`` of a multi-round profile, else the profile itself). Rounds an
+    hour apart see more of the machine's states than rounds a minute apart."""
+    runs = []
+    for data in profiles:
+        data = data.get('profile', data)
+        runs += data.get('compute', {}).get('rounds') or [data]
+    if not runs:
+        raise ValueError('combine needs at least one profile, got none')
+    combined = median_tree(runs)
+    combined['compute']['rounds'] = runs
+    combined['name'] = name
+    return ClusterProfile.from_json(combined)
+
+
 def main(argv: List[str] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    rounds = 1
-    if '--rounds' in argv:
-        i = argv.index('--rounds')
-        rounds = int(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
-    path = argv[0] if argv else 'cluster_profile.json'
+    import argparse
+    import json
+    parser = argparse.ArgumentParser(prog='python -m colossal_lite.auto.profile',
+                                     description='measure this machine into a cluster profile')
+    parser.add_argument('out', nargs='?', default='cluster_profile.json',
+                        help='the profile JSON to write (before --combine)')
+    parser.add_argument('--rounds', type=int, default=1,
+                        help='whole measurements; every entry the median of the rounds')
+    parser.add_argument('--combine', nargs='+', metavar='PROFILE_JSON',
+                        help='measure nothing: the median over every round of these profiles')
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     start = time.perf_counter()
-    profile = measure(rounds=rounds)
-    profile.save(path)
+    if args.combine:
+        sources = []
+        for path in args.combine:
+            with open(path) as f:
+                sources.append(json.load(f))
+        profile = combine(sources)
+    else:
+        profile = measure(rounds=args.rounds)
+    profile.save(args.out)
     alpha, beta = profile.collectives['all_reduce']['4']['intra']
-    print(f'wrote {path} in {time.perf_counter() - start:.1f} s: flops {profile.flops:.3g}/s, '
+    print(f'wrote {args.out} in {time.perf_counter() - start:.1f} s: flops {profile.flops:.3g}/s, '
           f'all_reduce p=4 alpha {alpha * 1e6:.1f} us, 1/beta {1 / beta / 1e9:.2f} GB/s')
     return 0
 
