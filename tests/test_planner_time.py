@@ -370,3 +370,25 @@ def test_a_profile_of_several_rounds_takes_each_entrys_median():
     assert both.collectives['all_reduce']['4']['intra'] == [3e-3, 2e-9]
     assert both.compute['family_blocks']['none']['1']['block_s'] == [0.020, 0.030, 0.070]
     assert len(both.compute['rounds']) == 3
+
+
+def test_profile_cli_combines_stored_profiles(tmp_path, capsys):
+    """``python -m colossal_lite.auto.profile out.json --combine A.json B.json C.json``
+    measures nothing and writes the median over every round of the stored profiles (a
+    results file holding one under 'profile' is read too)."""
+    import json
+    from colossal_lite.auto.profile import main
+    paths = []
+    for i, alpha in enumerate((1e-3, 7e-3, 2e-3)):
+        p = _profile({}, sync_skew_s=alpha)
+        p.collectives['all_reduce']['4']['intra'] = [alpha, 1e-9]
+        path = tmp_path / f'p{i}.json'
+        path.write_text(json.dumps({'profile': p.to_json()} if i else p.to_json()))
+        paths.append(str(path))
+    out = tmp_path / 'combined.json'
+    assert main([str(out), '--combine', *paths]) == 0
+    combined = ClusterProfile.from_json(json.loads(out.read_text()))
+    assert combined.collectives['all_reduce']['4']['intra'] == [2e-3, 1e-9]
+    assert combined.compute['sync_skew_s'] == 2e-3
+    assert len(combined.compute['rounds']) == 3
+    assert 'wrote' in capsys.readouterr().out
