@@ -2,8 +2,11 @@
 
 1. Profile: ``colossal_lite.auto.profile.measure`` (α-β of gloo collectives on 4 forked ranks,
    small messages included; AdamW per tensor and per element; real blocks of each tensor
-   family at two widths, ``measure_families``), ``PROFILE_ROUNDS`` times, each entry the
-   median of the rounds (``profile.median_tree``; one round's entries move by 20 - 40 %).
+   family at two widths, ``measure_families``), ``PROFILE_ROUNDS`` times before the sweep
+   and once more after each model's layouts; the sweep's choices (micro-batches, schedule,
+   top plans) use the rounds before it, the predictions every round's median
+   (``profile.combine``; one round's entries move by 20 - 40 %, and five rounds in one
+   block predicted a sweep worse than ten spread over two hours).
 2. For GPT, BERT (no NSP head) and ViT at two sizes each, the exhaustive sweep
    (``layout_list``): every layout of 4 ranks the model's sizes allow -- pipeline, data,
    1D/2D/sequence tensor and their mixes -- with every ZeRO stage it runs with and with and
@@ -213,11 +216,12 @@ def step_count(steps: int, predicted_s: float) -> int:
 
 
 def sweep(profile, models, rounds, checkpoint=None, steps=STEPS, top_rounds=0, world=WORLD,
-          select=None):
+          select=None, after_model=None):
     """Measure every (model, layout) ``rounds`` times and the top plans of each model
     (:func:`top_plans`) ``top_rounds`` times more, alternating the order: raw measurements
     (a layout the runtime fails on keeps its error); ``checkpoint(raw)`` after each run;
-    ``steps`` = 0: memory only; ``world`` ranks; ``select(cand)``: the candidates kept."""
+    ``steps`` = 0: memory only; ``world`` ranks; ``select(cand)``: the candidates kept;
+    ``after_model()`` after each model's layouts in the first round."""
     jobs, top = [], []
     for key in models:
         opts, seq, batch = MODELS[key]
@@ -228,6 +232,8 @@ def sweep(profile, models, rounds, checkpoint=None, steps=STEPS, top_rounds=0, w
         top += [len(jobs) + i for i in sorted(best)]
         jobs += [(key, shape, cand) for cand in cands]
     measured, errors = {i: [] for i in range(len(jobs))}, {}
+    last_of_model = {max(i for i, job in enumerate(jobs) if job[0] == key) for key in models
+                     if any(job[0] == key for job in jobs)}
     for r in range(rounds + top_rounds):
         order = list(range(len(jobs))) if r < rounds else top
         for i in (order if r % 2 == 0 else reversed(order)):
@@ -244,8 +250,12 @@ def sweep(profile, models, rounds, checkpoint=None, steps=STEPS, top_rounds=0, w
             except ChildFailed as exc:  # a runtime failure is a result, not the end
                 errors[i] = str(exc).strip().splitlines()[-1]
                 print(f'round {r} {key} {cand.describe()}: FAILED {errors[i]}', flush=True)
+                if r == 0 and after_model is not None and i in last_of_model:
+                    after_model()
                 continue
             measured[i].append(per_rank)
+            if r == 0 and after_model is not None and i in last_of_model:
+                after_model()
             peak = max(p['start_data'] + p['alloc_growth'] for p in per_rank)
             slowest = (statistics.median(max(s) for s in zip(*[p['wall'] for p in per_rank]))
                        if steps else float('nan'))
@@ -397,7 +407,7 @@ def main():
         return profile_sensitivity(args.profile_sensitivity)
     if args.memory_only:
         return memory_only(args.reanalyse, args.world)
-    from colossal_lite.auto.profile import measure
+    from colossal_lite.auto.profile import combine, measure
     start = time.perf_counter()
     if args.reanalyse:
         with open(os.path.join(os.path.dirname(__file__), 'results',
@@ -408,17 +418,26 @@ def main():
             profile = measure('this machine (measured)', rounds=PROFILE_ROUNDS)
         load_before, load_after = old['load_average_before'], old['load_average_after']
         measured_s = old['measure_s']
-        extra = {k: old[k] for k in ('run_to_run',) if k in old}  # notes added by hand
+        extra = {k: old[k] for k in ('run_to_run', 'profile_at_start', 'later_rounds')
+                 if k in old}
     else:
         load_before, extra = os.getloadavg(), {}
         profile = measure('this machine (measured)', rounds=PROFILE_ROUNDS)
         models = [('gpt', 'small')] if args.quick else list(MODELS)
+        later = []  # one more profile round after each model: the machine across the sweep
         def save(raw):  # the measurements so far: --reanalyse reads them
             write_json('planner_accuracy', dict(
                 profile=profile.to_json(), raw=raw, load_average_before=load_before,
-                load_average_after=os.getloadavg(), measure_s=time.perf_counter() - start))
+                later_rounds=later, load_average_after=os.getloadavg(),
+                measure_s=time.perf_counter() - start))
+        def profile_round():
+            later.append(measure('this machine (measured)').to_json())
         raw = sweep(profile, models, 1 if args.quick else ROUNDS, save,
-                    top_rounds=0 if args.quick else TOP_ROUNDS)
+                    top_rounds=0 if args.quick else TOP_ROUNDS, after_model=profile_round)
+        extra['profile_at_start'] = profile.to_json()
+        # the predictions: every round, before and through the sweep (profile.combine);
+        # the layouts, micro-batch counts and top plans were chosen with the first ones
+        profile = combine([profile.to_json()] + later, 'this machine (measured)')
         load_after = os.getloadavg()
         measured_s = time.perf_counter() - start
     records = predict(raw, profile)
@@ -496,7 +515,9 @@ def profile_sensitivity(paths):
     rows, out = [['profile', 'tau >= 0.8', 'top tau >= 0.8', 'reported tau >= 0.8',
                   'regret <= 10%', 'tau per case', 'reported tau per case',
                   'regret per case']], []
-    sources = [('own', stored)] + [
+    start = ([('own, the rounds before the sweep', dict(stored, profile=stored['profile_at_start']))]
+             if 'profile_at_start' in stored else [])
+    sources = [('own', stored)] + start + [
         (f'own round {i}', dict(stored, profile=dict(run, name=f'round {i}')))
         for i, run in enumerate(stored['profile']['compute'].get('rounds', []))] + [
         (path, json.load(open(path))) for path in paths]
