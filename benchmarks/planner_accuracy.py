@@ -232,8 +232,8 @@ def sweep(profile, models, rounds, checkpoint=None, steps=STEPS, top_rounds=0, w
         top += [len(jobs) + i for i in sorted(best)]
         jobs += [(key, shape, cand) for cand in cands]
     measured, errors = {i: [] for i in range(len(jobs))}, {}
-    last_of_model = {max(i for i, job in enumerate(jobs) if job[0] == key) for key in models
-                     if any(job[0] == key for job in jobs)}
+    last_of_model = {i for i, job in enumerate(jobs)   # a model's jobs are consecutive
+                     if i + 1 == len(jobs) or jobs[i + 1][0] != job[0]}
     for r in range(rounds + top_rounds):
         order = list(range(len(jobs))) if r < rounds else top
         for i in (order if r % 2 == 0 else reversed(order)):
@@ -250,19 +250,17 @@ def sweep(profile, models, rounds, checkpoint=None, steps=STEPS, top_rounds=0, w
             except ChildFailed as exc:  # a runtime failure is a result, not the end
                 errors[i] = str(exc).strip().splitlines()[-1]
                 print(f'round {r} {key} {cand.describe()}: FAILED {errors[i]}', flush=True)
-                if r == 0 and after_model is not None and i in last_of_model:
-                    after_model()
-                continue
-            measured[i].append(per_rank)
+            else:
+                measured[i].append(per_rank)
+                peak = max(p['start_data'] + p['alloc_growth'] for p in per_rank)
+                slowest = (statistics.median(max(s) for s in zip(*[p['wall'] for p in per_rank]))
+                           if steps else float('nan'))
+                print(f'round {r} {key} {cand.describe()}: {slowest * 1e3:.0f} ms, '
+                      f'peak {peak / 2 ** 20:.2f} MiB', flush=True)
+                if checkpoint:
+                    checkpoint(_raw(jobs, measured, errors))
             if r == 0 and after_model is not None and i in last_of_model:
                 after_model()
-            peak = max(p['start_data'] + p['alloc_growth'] for p in per_rank)
-            slowest = (statistics.median(max(s) for s in zip(*[p['wall'] for p in per_rank]))
-                       if steps else float('nan'))
-            print(f'round {r} {key} {cand.describe()}: {slowest * 1e3:.0f} ms, '
-                  f'peak {peak / 2 ** 20:.2f} MiB', flush=True)
-            if checkpoint:
-                checkpoint(_raw(jobs, measured, errors))
     return _raw(jobs, measured, errors)
 
 

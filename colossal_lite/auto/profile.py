@@ -466,10 +466,7 @@ def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
     if rounds < 1:
         raise ValueError(f'a profile needs at least 1 round, got rounds={rounds}')
     if rounds > 1:
-        runs = [measure(name, sizes, repeats).to_json() for _ in range(rounds)]
-        combined = median_tree(runs)
-        combined['compute']['rounds'] = runs
-        return ClusterProfile.from_json(combined)
+        return combine([measure(name, sizes, repeats).to_json() for _ in range(rounds)], name)
     collectives, blocks = measure_ranks(sizes, repeats)
     return ClusterProfile(name=name, devices=4, devices_per_node=4,
                           memory_bytes=float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')) / 4,
