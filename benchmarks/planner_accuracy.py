@@ -4,9 +4,14 @@
    small messages included; AdamW per tensor and per element; real blocks of each tensor
    family at two widths, ``measure_families``), ``PROFILE_ROUNDS`` times before the sweep
    and once more after each model's layouts; the sweep's choices (micro-batches, schedule,
-   top plans) use the rounds before it, the predictions every round's median
-   (``profile.combine``; one round's entries move by 20 - 40 %, and five rounds in one
-   block predicted a sweep worse than ten spread over two hours).
+   top plans) use the rounds before it, the predictions the median of every round of this
+   machine (``profile.combine``): this sweep's and those of earlier sessions
+   (``PRIOR_PROFILE``: their profile rounds only, measured before this sweep; an entry
+   they lack, e.g. ``step_sync``, from this sweep's rounds alone). One round's entries
+   move by 20 - 40 %; five rounds in one block predicted a sweep worse than ten spread
+   over two hours, and every stored sweep is predicted better from the other sessions'
+   rounds than from its own (docs/planner.md). ``summary_own_rounds``: the same analysis
+   with this sweep's rounds alone.
 2. For GPT, BERT (no NSP head) and ViT at two sizes each, the exhaustive sweep
    (``layout_list``): every layout of 4 ranks the model's sizes allow -- pipeline, data,
    1D/2D/sequence tensor and their mixes -- with every ZeRO stage it runs with and with and
@@ -73,6 +78,8 @@ from colossal_lite.testing.distributed import ChildFailed  # noqa: E402
 
 WORLD, WARMUP, STEPS, ROUNDS, TOP_ROUNDS = 4, 2, 10, 1, 2
 PROFILE_ROUNDS = 5   # the profile: each entry the median of 5 whole measurements (~70 s each)
+# the profile rounds of earlier sessions on this machine (stops 20-21: 23 rounds)
+PRIOR_PROFILE = os.path.join(os.path.dirname(__file__), 'results', 'profiles', 'stops20_21.json')
 TIMED_S, MAX_STEPS = 1.0, 60   # fast layouts run more steps: about TIMED_S of timed steps
 TOP = 10   # the top plans: the fastest predicted that fit
 TEXT = dict(vocab_size=256, max_positions=64, dropout=0.0)
@@ -416,8 +423,8 @@ def main():
             profile = measure('this machine (measured)', rounds=PROFILE_ROUNDS)
         load_before, load_after = old['load_average_before'], old['load_average_after']
         measured_s = old['measure_s']
-        extra = {k: old[k] for k in ('run_to_run', 'profile_at_start', 'later_rounds')
-                 if k in old}
+        extra = {k: old[k] for k in ('run_to_run', 'profile_at_start', 'later_rounds',
+                                     'prior_profile', 'summary_own_rounds') if k in old}
     else:
         load_before, extra = os.getloadavg(), {}
         profile = measure('this machine (measured)', rounds=PROFILE_ROUNDS)
@@ -433,9 +440,16 @@ def main():
         raw = sweep(profile, models, 1 if args.quick else ROUNDS, save,
                     top_rounds=0 if args.quick else TOP_ROUNDS, after_model=profile_round)
         extra['profile_at_start'] = profile.to_json()
-        # the predictions: every round, before and through the sweep (profile.combine);
-        # the layouts, micro-batch counts and top plans were chosen with the first ones
-        profile = combine([profile.to_json()] + later, 'this machine (measured)')
+        # the predictions: every round, before and through the sweep, with the earlier
+        # sessions' (profile.combine); the layouts, micro-batch counts and top plans were
+        # chosen with the first ones
+        own = combine([profile.to_json()] + later, 'this machine (measured)')
+        with open(PRIOR_PROFILE) as f:
+            prior = json.load(f)
+        profile = combine([prior, own.to_json()], 'this machine (measured, with earlier '
+                                                  'sessions)')
+        extra.update(prior_profile=os.path.relpath(PRIOR_PROFILE, os.path.dirname(__file__)),
+                     summary_own_rounds=analyse(predict(raw, own)))
         load_after = os.getloadavg()
         measured_s = time.perf_counter() - start
     records = predict(raw, profile)

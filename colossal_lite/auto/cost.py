@@ -27,7 +27,9 @@ the step time. Formulas (docs/planner.md has them with their sources):
   profile's α-β of the family's collective (a recompute repeats the forward half);
 * stage boundaries: one p2p of the activation shard per micro-batch and direction (1D:
   a 1/t slice of the replicated activation, then an all_gather over the t ranks);
-* gradient sync: ``formulas.gradient_sync_bytes`` over the data group; without a pipeline
+* gradient sync: ``formulas.gradient_sync_bytes`` over the data group, each call at the
+  profile's α-β of that collective timed right after a backward (``data_sync_time``;
+  ``collectives``' α-β plus the skew below where it has none); without a pipeline
   all but the last 25 MiB bucket overlap the last micro-batch's backward (``exposed_sync``:
   both slowed 1.3x while they overlap, as Galvatron-BMW measures), exposed after the
   pipeline flush with one; ZeRO-3 pays a
@@ -37,10 +39,10 @@ the step time. Formulas (docs/planner.md has them with their sources):
   the measured block times carry it): a pipeline takes ``max(M * T, schedule time / s)``,
   the ranks waiting in the bubble freeing their cores for the computing ones;
 * skew (``sync_skew_time``): ranks that time-share cores finish a phase at different
-  times; each synchronizing point on the critical path (the gradient sync, ZeRO-1/2's
-  weight all_gather after the step, each pipeline boundary the first micro-batch crosses
-  forward and backward, one per later micro-batch) adds the profile's measured
-  ``sync_skew_s``;
+  times; each synchronizing point on the critical path (the gradient sync and ZeRO-1/2's
+  weight all_gather after the step where not timed in a step, each pipeline boundary
+  the first micro-batch crosses forward and backward, one per later micro-batch) adds
+  the profile's measured ``sync_skew_s``;
 * step = pipeline time (bubble per schedule) + exposed gradient sync + skew + the AdamW step on
   the local (ZeRO: sharded) parameters and tensors (``optimizer_time``: per element and per
   tensor stepped, ``compute['adam_s_per_param']`` and ``['adam_s_per_tensor']``).
@@ -251,7 +253,8 @@ def block_time(shape: ModelShape, cluster: ClusterProfile, layout, tokens: float
     timed width nearest the model's, ``profile.family_entry``) gives the whole block,
     collectives included, at its 3 * FLOPs (``profile.family_block_seconds``: the timed
     points, beyond them the fitted ``seconds_per_flop``, at least the serial block's / t;
-    split by the timed forward's share, ``profile.family_forward_share``; communication 0); otherwise FLOPs / t / ``flops`` plus
+    split by the timed forward's share, ``profile.family_forward_share``; communication
+    0); otherwise FLOPs / t / ``flops`` plus
     ``compute['block_overhead_s'] / 3`` and the α-β time of ``comm_bytes``."""
     t = layout.tensor if layout.mode else 1
     flops = shape.block_flops(tokens)
@@ -369,18 +372,20 @@ def sync_skew_time(cluster: ClusterProfile, layout, zero: int, stages: int,
     ``compute['sync_skew_s']`` (``profile.sync_skew``; 0 in profiles without it: a device
     per rank) times the points -- over a data group of 2 or more, the gradient sync after
     the last backward (data parallelism and ZeRO-1/2) and ZeRO-1/2's all_gather of the
-    updated weights after the optimizer step (ZeRO-3's per-chunk calls are priced whole by
-    ``zero3_exposed``); in a pipeline, each stage boundary the first micro-batch crosses
-    forward and backward (``2 (stages - 1)``) and one more for each later micro-batch (the
-    last stage waits on its forward or the first on its returning gradient:
-    ``microbatches - 1``). A tensor family's own calls are in its timed blocks."""
+    updated weights after the optimizer step, each unless the profile timed that call in a
+    step (``step_sync_entry``: its time carries the wait; ZeRO-3's per-chunk calls are
+    priced whole by ``zero3_exposed``); in a pipeline, each stage boundary the first
+    micro-batch crosses forward and backward (``2 (stages - 1)``) and one more for each
+    later micro-batch (the last stage waits on its forward or the first on its returning
+    gradient: ``microbatches - 1``). A tensor family's own calls are in its timed blocks."""
     skew = float(cluster.compute.get('sync_skew_s', 0.0))
     if not skew:
         return 0.0
     group = layout.data * (layout.tensor if layout.mode == 'sequence' else 1)
     points = 2 * (stages - 1) + (microbatches - 1 if stages > 1 else 0)
-    if group > 1 and zero in (0, 1, 2):
-        points += 2 if zero else 1
+    if group > 1 and zero in (0, 1, 2):  # unless timed in a step (``data_sync_time``)
+        ops = ('reduce_scatter', 'all_gather') if zero else ('all_reduce',)
+        points += sum(step_sync_entry(cluster, op, group) is None for op in ops)
     return skew * points
 
 
@@ -493,11 +498,30 @@ def _gradient_sync(cluster: ClusterProfile, layout, cand: Candidate, params: flo
     n = formulas.gradient_sync_bytes(cand.zero, int(params), cand.microbatches, elem)
     one = params * elem
     if cand.zero == 0:
-        return cluster.group_time('all_reduce', n, stride, size)
+        return data_sync_time(cluster, 'all_reduce', n, stride, size)
     if cand.zero == 3:  # every call per chunk, none hidden behind compute
         assert 3 * cand.microbatches * one == n
         return zero3_exposed(cluster, layout, cand.microbatches, one, chunks, 0.0, 0.0)
     rs_calls = {1: 1, 2: cand.microbatches}[cand.zero]
     assert (rs_calls + 1) * one == n
-    return (rs_calls * cluster.group_time('reduce_scatter', one, stride, size)
-            + cluster.group_time('all_gather', one, stride, size))
+    return (rs_calls * data_sync_time(cluster, 'reduce_scatter', one, stride, size)
+            + data_sync_time(cluster, 'all_gather', one, stride, size))
+
+
+def step_sync_entry(cluster: ClusterProfile, op: str, size: int):
+    """``compute['step_sync'][op][str(size)]`` -- (α, β) of ``op`` over a data group of
+    ``size`` ranks timed right after a backward (``profile.measure_families``) -- or None
+    where the profile has no such timing (hand-written profiles: a device per rank)."""
+    return cluster.compute.get('step_sync', {}).get(op, {}).get(str(size))
+
+
+def data_sync_time(cluster: ClusterProfile, op: str, nbytes: float, stride: int,
+                   size: int) -> float:
+    """Seconds of a data-group gradient sync call of ``nbytes``: the profile's in-step α-β
+    (:func:`step_sync_entry`: on ranks time-sharing cores, the collective after compute
+    costs more than alone) where it has one for this group size, else the collective's
+    α-β (``ClusterProfile.group_time``; :func:`sync_skew_time` then adds the skew)."""
+    entry = step_sync_entry(cluster, op, size)
+    if entry is None or nbytes <= 0:
+        return cluster.group_time(op, nbytes, stride, size)
+    return float(entry[0]) + float(entry[1]) * nbytes

@@ -13,6 +13,11 @@
   compute on each, beyond the slowest rank's compute and the all_reduce alone
   (:func:`sync_skew`): ranks time-sharing cores reach a synchronizing call at different
   times (0 or absent: a device per rank).
+* ``compute['step_sync']``: α-β of the data-parallel gradient syncs (all_reduce; ZeRO's
+  reduce_scatter and all_gather) over data groups of 2 and 4 ranks, each timed right
+  after the backward of a real model (``measure_families``, :func:`step_sync_points`):
+  from the last rank's backward end to the sync's end. Inside a step a collective over
+  ranks that time-share cores costs more than timed alone after a barrier.
 * ``compute['ranks']`` / ``compute['cores']``: the ranks timed at once and the cores they
   shared (``os.sched_getaffinity``): more ranks than cores time-share them, so a block
   timed with every rank busy (``family_blocks``) is ``ranks / cores`` times slower than
@@ -40,6 +45,7 @@ OPS = ('all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', 'broadcast', 
 SIZES = (1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 22)   # buffer bytes: small calls fix alpha
 REPEATS = 5
 BLOCK_BATCHES = (1, 2, 4, 8)
+STEP_SYNC_OPS = ('all_reduce', 'reduce_scatter', 'all_gather')   # a step's data-group syncs
 
 
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> Tuple[float, float]:
@@ -271,14 +277,25 @@ def _time_family(rank: int, hiddens: Sequence[int], batches: Sequence[int], repe
     ``hiddens``) built for the launched layout, per ``'hidden,layers,batch'`` (``batch``
     samples per data replica): ``repeats`` timings after a warm-up, every rank stepping at
     once after a barrier, the 1- and 2-block models alternated so that both see the same
-    load; ``'forward:hidden,layers,batch'`` the forward's share of the same runs."""
+    load; ``'forward:hidden,layers,batch'`` the forward's share of the same runs. With a
+    data-parallel group (``gradient_handler.data_parallel_axis``) of 2 or more, each
+    backward is followed by one of the step's gradient syncs (``STEP_SYNC_OPS`` in turn)
+    over the model's gradient elements (``'elems:hidden,layers'``):
+    ``'sync:op:hidden,layers,batch'`` -> ``[backward end, sync end]`` per repeat, seconds
+    from the barrier."""
     torch.set_num_threads(1)
     from .. import communication as comm
+    from ..engine.gradient_handler import data_parallel_axis
+    axis = data_parallel_axis()
     out: Dict[str, List[float]] = {}
     for hidden in hiddens:
         torch.manual_seed(0)
         models = {layers: _gpt(layers=layers, **dict(FAMILY_MODEL, hidden=hidden))
                   for layers in (1, 2)}
+        elems = {layers: sum(p.numel() for p in model.parameters()) // axis.size * axis.size
+                 for layers, model in models.items()}
+        for layers, n in elems.items():
+            out[f'elems:{hidden},{layers}'] = n
         for b in batches:  # a data replica's b samples (its tensor ranks all see them)
             ids = torch.randint(0, FAMILY_MODEL['vocab_size'], (b, 64),
                                 generator=torch.Generator().manual_seed(b))
@@ -289,35 +306,74 @@ def _time_family(rank: int, hiddens: Sequence[int], batches: Sequence[int], repe
                     loss = model(ids).float().sum()
                     mid = time.perf_counter()
                     loss.backward()
+                    end = time.perf_counter()
                     if i:
-                        out.setdefault(f'{hidden},{layers},{b}', []).append(
-                            time.perf_counter() - start)
+                        out.setdefault(f'{hidden},{layers},{b}', []).append(end - start)
                         out.setdefault(f'forward:{hidden},{layers},{b}', []).append(
                             mid - start)
+                    if axis.size == 1:
+                        continue
+                    if not i:  # warm-up: every op once
+                        for op in STEP_SYNC_OPS:
+                            _one(op, elems[layers], axis)
+                        continue
+                    op = STEP_SYNC_OPS[(i - 1) % len(STEP_SYNC_OPS)]
+                    _one(op, elems[layers], axis)
+                    out.setdefault(f'sync:{op}:{hidden},{layers},{b}', []).append(
+                        [end - start, time.perf_counter() - start])
     return out
+
+
+def step_sync_points(per_rank: Sequence[Dict[str, list]]) -> Dict[str, List[list]]:
+    """``{op: [[gradient bytes, seconds], ...]}`` from every rank's ``_time_family``: per
+    timed (width, blocks, batch) the median over repeats of (the last rank's sync end - the
+    last rank's backward end) -- the sync once every rank is ready; the wait for the
+    slowest rank is its compute, which the block timings carry."""
+    points: Dict[str, List[list]] = {}
+    for key in per_rank[0]:
+        if not key.startswith('sync:'):
+            continue
+        _, op, rest = key.split(':')
+        hidden, layers, _ = rest.split(',')
+        nbytes = 4 * per_rank[0][f'elems:{hidden},{layers}']
+        samples = range(len(per_rank[0][key]))
+        seconds = statistics.median(max(r[key][k][1] for r in per_rank)
+                                    - max(r[key][k][0] for r in per_rank) for k in samples)
+        points.setdefault(op, []).append([nbytes, max(seconds, 1e-6)])
+    return points
 
 
 def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BATCHES,
                      repeats: int = FAMILY_REPEATS, world: int = 4,
-                     hiddens: Sequence[int] = FAMILY_HIDDENS) -> Dict[str, Dict[str, dict]]:
-    """Per tensor family and size t on ``world`` forked ranks (data = world / t): one real
-    block's forward + backward, tensor-parallel collectives included, as the difference of a
-    2-block and a 1-block model (per repeat the slowest rank, the median over repeats), at
-    2 to 16 samples per replica and each width of ``hiddens`` (``forward_s``: its forward's
-    part, the same difference), fitted by
+                     hiddens: Sequence[int] = FAMILY_HIDDENS
+                     ) -> Tuple[Dict[str, Dict[str, dict]], Dict[str, Dict[str, list]]]:
+    """(family table, step-sync table). Per tensor family and size t on ``world`` forked
+    ranks (data = world / t): one real block's forward + backward, tensor-parallel
+    collectives included, as the difference of a 2-block and a 1-block model (per repeat
+    the slowest rank, the median over repeats), at 2 to 16 samples per replica and each
+    width of ``hiddens`` (``forward_s``: its forward's part, the same difference), fitted by
     :func:`fit_alpha_beta` against the block's FLOPs: ``overhead`` (seconds per block and
     micro-batch whatever its size: Python, dispatch, the collectives' latencies) and
     ``seconds_per_flop``; and ``rest``: the 1-block model minus its block (embedding, head,
     loss) at the smallest batch. ``{mode or 'none': {str(t): {...}}}``, the entry of the
-    widest block with ``by_hidden``: ``{str(hidden): entry}`` (:func:`family_entry`)."""
+    widest block with ``by_hidden``: ``{str(hidden): entry}`` (:func:`family_entry`).
+    The step-sync table ``{op: {str(p): [alpha, beta]}}``: each of ``STEP_SYNC_OPS`` over
+    a data-parallel group of p ranks right after a backward (:func:`step_sync_points` of
+    every family with one, fitted by :func:`fit_alpha_beta` per group size): what a step's
+    gradient sync costs, which on ranks time-sharing cores is more than the collective
+    timed alone (``collectives``)."""
     from ..testing import run_distributed
     table: Dict[str, Dict[str, dict]] = {}
+    sync_points: Dict[str, Dict[str, list]] = {}
     for mode, t in layouts:
         parallel = dict(data=world // t)
         if mode:
             parallel['tensor'] = dict(size=t, mode=mode)
         per_rank = run_distributed(_time_family, world, dict(parallel=parallel),
                                    tuple(hiddens), tuple(batches), repeats, timeout=600)
+        group = world if mode == 'sequence' else world // t   # data_parallel_axis
+        for op, points in step_sync_points(per_rank).items():
+            sync_points.setdefault(op, {}).setdefault(str(group), []).extend(points)
         by_hidden = {}
         for hidden in hiddens:
             def median_slowest(layers, b, part=''):  # repeats line up (a barrier each)
@@ -337,7 +393,9 @@ def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BAT
                 one_s=one, flops=flops, tokens=[b * 64 for b in batches], forward_s=forward)
         widest = by_hidden[str(max(hiddens))]
         table.setdefault(mode or 'none', {})[str(t)] = dict(widest, by_hidden=by_hidden)
-    return table
+    step_sync = {op: {p: list(fit_alpha_beta([n for n, _ in pts], [s for _, s in pts]))
+                      for p, pts in groups.items()} for op, groups in sync_points.items()}
+    return table, step_sync
 
 
 def family_entry(compute: dict, mode, t: int, hidden: int):
@@ -435,10 +493,11 @@ def refit_family_blocks(table: Dict[str, Dict[str, dict]], world: int = 4
 
 def median_tree(trees: Sequence):
     """The element-wise median of JSON trees of one structure (profiles measured at
-    different times): numbers -> their median (integers: the lower median), lists and dicts -> per element / key (keys
-    every tree has), anything else (names, flags) -> the first tree's. A profile is a few
-    minutes of ranks time-sharing cores; its entries move by 20 - 40 % between runs, and
-    the median of a few runs is what the cost model should see."""
+    different times): numbers -> their median (integers: the lower median), lists and dicts
+    -> per element / key (a key over the trees that have it: rounds measured before an
+    entry existed add nothing to it), anything else (names, flags) -> the first tree's. A
+    profile is a few minutes of ranks time-sharing cores; its entries move by 20 - 40 %
+    between runs, and the median of a few runs is what the cost model should see."""
     first = trees[0]
     if isinstance(first, bool) or first is None or isinstance(first, str):
         return first
@@ -451,8 +510,8 @@ def median_tree(trees: Sequence):
             raise ValueError(f'cannot combine lists of lengths {[len(t) for t in trees]}')
         return [median_tree([t[i] for t in trees]) for i in range(len(first))]
     if isinstance(first, dict):
-        return {k: median_tree([t[k] for t in trees]) for k in first
-                if all(k in t for t in trees)}
+        keys = list(first) + [k for t in trees[1:] for k in t if k not in first]
+        return {k: median_tree([t[k] for t in trees if k in t]) for k in dict.fromkeys(keys)}
     raise TypeError(f'cannot combine a {type(first).__name__} in a profile tree')
 
 
@@ -468,6 +527,7 @@ def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
     if rounds > 1:
         return combine([measure(name, sizes, repeats).to_json() for _ in range(rounds)], name)
     collectives, blocks = measure_ranks(sizes, repeats)
+    families, step_sync = measure_families()
     return ClusterProfile(name=name, devices=4, devices_per_node=4,
                           memory_bytes=float(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')) / 4,
                           flops=statistics.median(b['flops'] for b in blocks),
@@ -479,7 +539,7 @@ def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
                                    'block_overhead_s':
                                    statistics.median(b['overhead'] for b in blocks),
                                    'sync_skew_s': blocks[0]['sync_skew_s'],
-                                   'family_blocks': measure_families(),
+                                   'family_blocks': families, 'step_sync': step_sync,
                                    'ranks': 4, 'cores': len(os.sched_getaffinity(0))},
                           sources={'all': 'measured by colossal_lite.auto.profile (gloo, '
                                           'forked local processes, CPU)'})
