@@ -15,7 +15,10 @@
   forward the timed forward's share (what a checkpointed block recomputes);
 * each synchronizing point on the critical path (the gradient sync, ZeRO-1/2's weight
   all_gather, each pipeline boundary crossed forward and backward, one more per later
-  micro-batch) adds the profile's measured ``sync_skew_s``.
+  micro-batch) adds the profile's measured ``sync_skew_s``;
+* a data-group gradient sync the profile timed inside a step (``step_sync``: right after a
+  real backward) costs that α-β and no skew point; other group sizes keep the collective's
+  α-β plus the skew.
 """
 import pytest
 
@@ -392,3 +395,62 @@ def test_profile_cli_combines_stored_profiles(tmp_path, capsys):
     assert combined.compute['sync_skew_s'] == 2e-3
     assert len(combined.compute['rounds']) == 3
     assert 'wrote' in capsys.readouterr().out
+
+
+def test_gradient_sync_takes_the_in_step_alpha_beta_where_the_profile_timed_it():
+    """``cost.data_sync_time``: DP's all_reduce and ZeRO-1/2's reduce_scatter + all_gather
+    over a data group of 4 at the profile's ``step_sync`` α-β (timed after a backward,
+    the wait for the slowest rank included), with no skew point for them; a data group
+    of 2 the profile did not time keeps the isolated α-β and its skew point."""
+    from colossal_lite import formulas
+    skew = 0.003
+    step_sync = {'all_reduce': {'4': [5e-3, 2e-9]}, 'reduce_scatter': {'4': [4e-3, 3e-9]},
+                 'all_gather': {'4': [2e-3, 1e-9]}}
+    timed = _profile({}, sync_skew_s=skew, step_sync=step_sync)
+    alone = _profile({}, sync_skew_s=skew)
+    for p in (timed, alone):
+        p.collectives.update({'reduce_scatter': {'4': {'intra': [1e-3, 1e-9]}},
+                              'all_gather': {'4': {'intra': [1e-3, 1e-9]}},
+                              'all_reduce': {'2': {'intra': [5e-4, 1e-9]},
+                                             '4': {'intra': [1e-3, 1e-9]}}})
+    dp = Candidate(ParallelLayout(1, 1, None, 1, 4), 1)
+    est, bare = evaluate(SHAPE, timed, dp, 16), evaluate(SHAPE, alone, dp, 16)
+    n = formulas.gradient_sync_bytes(0, int(est.terms['params'][0]), 1, 4)
+    assert est.terms['gradient_sync'] == pytest.approx(5e-3 + 2e-9 * n)
+    assert bare.terms['gradient_sync'] == pytest.approx(1e-3 + 1e-9 * n)
+    assert est.terms['sync_skew'] == 0.0 and bare.terms['sync_skew'] == pytest.approx(skew)
+    for zero in (1, 2):
+        z = evaluate(SHAPE, timed, Candidate(ParallelLayout(1, 1, None, 1, 4), 1, zero=zero),
+                     16)
+        one = z.terms['params'][0] * 4
+        assert z.terms['gradient_sync'] == pytest.approx(4e-3 + 3e-9 * one + 2e-3 + 1e-9 * one)
+        assert z.terms['sync_skew'] == 0.0
+    # a data group of 2 (pipeline 2): not timed in a step -> isolated α-β, skew point kept
+    pp = Candidate(ParallelLayout(2, 1, None, 1, 2), 1)
+    est, bare = evaluate(SHAPE, timed, pp, 16), evaluate(SHAPE, alone, pp, 16)
+    assert est.terms['gradient_sync'] == bare.terms['gradient_sync']
+    assert est.terms['sync_skew'] == bare.terms['sync_skew'] == pytest.approx(3 * skew)
+
+
+def test_step_sync_points_time_the_sync_from_the_last_ranks_backward_end():
+    """``profile.step_sync_points``: per timed (width, blocks, batch) the gradient bytes and
+    the median over repeats of (last rank's sync end - last rank's backward end)."""
+    from colossal_lite.auto.profile import step_sync_points
+    ranks = [{'elems:64,2': 1000, 'sync:all_reduce:64,2,4': [[0.010, 0.020], [0.011, 0.019],
+                                                              [0.012, 0.030]]},
+             {'elems:64,2': 1000, 'sync:all_reduce:64,2,4': [[0.014, 0.021], [0.010, 0.020],
+                                                              [0.009, 0.029]]}]
+    # per repeat: 21 - 14 = 7, 20 - 11 = 9, 30 - 12 = 18 ms -> median 9 ms
+    assert step_sync_points(ranks) == {'all_reduce': [[4000, pytest.approx(0.009)]]}
+
+
+def test_combining_rounds_keeps_an_entry_older_rounds_lack():
+    """``profile.median_tree`` over rounds measured before an entry existed: the entry is
+    the median over the rounds that have it (older rounds add nothing to it)."""
+    from colossal_lite.auto.profile import median_tree
+    old = _profile({}, sync_skew_s=1e-3).to_json()
+    new = [_profile({}, sync_skew_s=s, step_sync={'all_reduce': {'4': [a, 1e-9]}}).to_json()
+           for s, a in ((3e-3, 4e-3), (5e-3, 6e-3))]
+    combined = ClusterProfile.from_json(median_tree([old] + new))
+    assert combined.compute['sync_skew_s'] == pytest.approx(3e-3)
+    assert combined.compute['step_sync']['all_reduce']['4'] == [pytest.approx(5e-3), 1e-9]
