@@ -22,7 +22,7 @@
    about ``TIMED_S`` seconds, ``step_count``) after ``WARMUP``; memory
    as the planner defines it (docs/planner.md): ``measured peak = live tensor bytes after
    zero_grad + the peak of the bytes the allocator hands out during a step``
-   (``testing.memory.peak_allocated``, the floor of four recorded steps; model data +
+   (``testing.memory.peak_allocated``, the floor of ``MEMORY_STEPS`` recorded steps; model data +
    gradients + activations + transients, without the torch runtime), next to the former
    ``live bytes + peak RSS growth`` over one step (``measured_peak_rss_bytes``: adds
    allocator slack and gloo's buffers); and the live tensor bytes after the step (model
@@ -82,6 +82,9 @@ PROFILE_ROUNDS = 5   # the profile: each entry the median of 5 whole measurement
 PRIOR_PROFILE = os.path.join(os.path.dirname(__file__), 'results', 'profiles', 'stops20_21.json')
 TIMED_S, MAX_STEPS = 1.0, 60   # fast layouts run more steps: about TIMED_S of timed steps
 TOP = 10   # the top plans: the fastest predicted that fit
+# recorded steps whose floor is a layout's peak: gloo's late-released buffers make one
+# rank's peak move by up to 25 % from step to step (8 from stop 22; 4 before)
+MEMORY_STEPS = 8
 TEXT = dict(vocab_size=256, max_positions=64, dropout=0.0)
 MODELS = {  # (kind, size) -> (options, seq or None for ViT, global batch)
     ('gpt', 'small'): (dict(TEXT, hidden=64, layers=2, heads=4), 64, 8),
@@ -160,12 +163,12 @@ def _worker(rank, kind, opts, seq, batch, steps, warmup):
         engine_step(engine, (x, y))
         growth = peak_rss() - before
     # the allocator's record: the first recorded step frees buffers made before the record
-    # (not seen), so steps 2-5 count; their floor (an async collective whose buffers gloo's
+    # (not seen), so the later ones count; their floor (an async collective whose buffers gloo's
     # thread releases late keeps them past the peak, which is timing, not layout)
     def step():
         engine_step(engine, (x, y))
     engine.zero_grad()
-    peaks = peak_allocated([step] + [engine.zero_grad, step] * 4)
+    peaks = peak_allocated([step] + [engine.zero_grad, step] * MEMORY_STEPS)
     return dict(wall=wall, cpu=cpu, start_data=start_data, growth=growth,
                 alloc_growth=min(peaks[2::2]), alloc_growth_steps=peaks[2::2],
                 end_data=live_tensor_bytes() - base)
