@@ -64,7 +64,7 @@ def _step_memory(rank, checkpoint, opts=OPTS):
     # ones are exact; their floor, as an async send or all-reduce whose peer is late keeps
     # its buffer past the peak (timing, not layout)
     step = lambda: engine_step(engine, (ids, ids))  # noqa: E731
-    peaks = peak_allocated([step] + [engine.zero_grad, step] * 4)
+    peaks = peak_allocated([step] + [engine.zero_grad, step] * 8)
     engine.zero_grad()
     # the same floor for the live bytes: a reduce-scatter that gloo's thread finished late
     # can still hold its buffer right after zero_grad (seen once: +gradients_b on a rank)
