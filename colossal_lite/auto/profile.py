@@ -282,12 +282,12 @@ def _time_family(rank: int, hiddens: Sequence[int], batches: Sequence[int], repe
     backward is followed by one of the step's gradient syncs (``STEP_SYNC_OPS`` in turn)
     over the model's gradient elements (``'elems:hidden,layers'``):
     ``'sync:op:hidden,layers,batch'`` -> ``[backward end, sync end]`` per repeat, seconds
-    from the barrier."""
+    from the barrier; ``'sync_group'`` the group's size."""
     torch.set_num_threads(1)
     from .. import communication as comm
     from ..engine.gradient_handler import data_parallel_axis
     axis = data_parallel_axis()
-    out: Dict[str, List[float]] = {}
+    out: Dict[str, List[float]] = {'sync_group': axis.size}
     for hidden in hiddens:
         torch.manual_seed(0)
         models = {layers: _gpt(layers=layers, **dict(FAMILY_MODEL, hidden=hidden))
@@ -371,9 +371,9 @@ def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BAT
             parallel['tensor'] = dict(size=t, mode=mode)
         per_rank = run_distributed(_time_family, world, dict(parallel=parallel),
                                    tuple(hiddens), tuple(batches), repeats, timeout=600)
-        group = world if mode == 'sequence' else world // t   # data_parallel_axis
+        group = str(per_rank[0]['sync_group'])
         for op, points in step_sync_points(per_rank).items():
-            sync_points.setdefault(op, {}).setdefault(str(group), []).extend(points)
+            sync_points.setdefault(op, {}).setdefault(group, []).extend(points)
         by_hidden = {}
         for hidden in hiddens:
             def median_slowest(layers, b, part=''):  # repeats line up (a barrier each)
