@@ -3,8 +3,7 @@ from .config import Config, ConfigError, load_config
 from .launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch
 from .initialize import initialize
 from . import trainer
-
-__version__ = '0.1.0'
+from ._version import __version__
 
 __all__ = ['Config', 'ConfigError', 'load_config', 'launch', 'launch_from_torch',
            'launch_from_slurm', 'launch_from_openmpi', 'initialize', 'trainer', '__version__']

@@ -32,11 +32,13 @@ import sys
 import uuid
 from typing import List, Optional
 
+from ._version import __version__
 from .config import ConfigError, load_config
+from .job import check_data, check_layout, check_paths, prepare_data
+from .run_state import saved_step
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
     parser = argparse.ArgumentParser(
         prog='colossal-lite', description='Train a config\'s model on N local processes '
         '(data, pipeline, tensor and sequence parallel, ZeRO) and report loss, throughput, '
@@ -63,35 +65,31 @@ def _parser() -> argparse.ArgumentParser:
 def check_job(config_path: str, nproc: int, steps: Optional[int], resume: Optional[str] = None,
               max_restarts: int = 0):
     """Every check that can fail before a process starts: the config's typed sections
-    (``load_config``), the layout vs ``nproc``, the job, and the job vs the layout
-    (``job.check_layout``: divisibility of every split size and a build of the model on the
-    meta device for the layout), the directories the run writes (``job.check_paths``) and
-    the data (``job.prepare_data``: for ``hf`` the tokenizer and the packed blocks, made
-    here once), the ``--resume`` checkpoint (complete, steps left) and ``--max-restarts``
-    (a restart resumes from ``checkpoint.path``). Returns ``(cfg, layout, spec)``."""
-    from .job import check_layout, check_paths, prepare_data
+    (``load_config``: each section checked once, ZeRO's unsupported combinations included),
+    the layout vs ``nproc``, the job's data (``job.check_data``), the job vs the layout and
+    its pipeline (``job.check_layout``: divisibility of every split size and a build of the
+    model on the meta device, cut as the run cuts it), the directories the run writes
+    (``job.check_paths``), the ``--resume`` checkpoint (complete, steps left) and
+    ``--max-restarts`` (a restart resumes from ``checkpoint.path``), then the data prepared
+    once (``job.prepare_data``: for ``hf`` the tokenizer and the packed blocks). Returns
+    ``(settings, layout, spec)``."""
     if nproc < 1:
         raise ConfigError(f'--nproc must be a positive integer, got {nproc}')
     settings = load_config(config_path).settings
     layout = _with_nproc(settings.layout, nproc)
-    spec = settings.job.with_steps(steps)
-    microbatches = settings.pipeline.num_microbatches
-    check_layout(spec, layout, settings.pipeline.stages, microbatches,
-                 settings.pipeline.partition)
-    from .zero.low_level import check_zero
-    check_zero(settings.source)  # NotImplementedError for what ZeRO does not run yet
+    spec = check_data(settings.job.with_steps(steps))
+    check_layout(spec, layout, settings.pipeline)
     check_paths(spec)
     _check_resume(spec, resume, max_restarts)
-    prepare_data(spec, microbatches)
-    return settings.source, layout, spec
+    prepare_data(spec, settings.pipeline.num_microbatches)
+    return settings, layout, spec
 
 
 def _check_resume(spec, resume: Optional[str], max_restarts: int):
-    from .run_state import saved_step
     if max_restarts < 0:
         raise ConfigError(f'--max-restarts must be >= 0, got {max_restarts}')
     if resume is not None:
-        step, total = saved_step(resume), spec.train['steps']
+        step, total = saved_step(resume), spec.train.steps
         if total is not None and step >= total:
             raise ConfigError(f'--resume {resume} was saved at step {step}: nothing is left of '
                               f'the {total} steps of this job (raise --steps or train.steps)')

@@ -28,13 +28,13 @@ from typing import Optional
 
 import torch
 
+from .config.families import family
 from .context import current_context
 from .nn import gather_logits
 
 
 def batch_split() -> int:
     """Ranks the current tensor mode splits a batch over (1: serial, 1D)."""
-    from .families import family
     layout = current_context().layout
     return 1 if layout is None else family(layout.mode).batch_split(layout)
 

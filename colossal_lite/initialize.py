@@ -2,8 +2,10 @@
 
 Order (each step one small function):
 
-1. reject what this release cannot do yet (ZeRO stage 3 with the zero-bubble or
-   interleaved pipeline schedules, ZeRO with apex);
+(What this release cannot do yet -- ZeRO stage 3 with the zero-bubble or interleaved
+schedules, ZeRO with apex -- was rejected when the config was parsed: ``config/settings.py``.)
+
+1. read the launched settings (``gpc.settings``; ``config=`` for a serial run);
 2. move the model to the run's device and broadcast its parameters and buffers
    from local rank 0 of the data-parallel group (DATA, or SEQUENCE_DP in
    sequence mode) so every replica starts from the same weights -- except a model
@@ -29,39 +31,35 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .amp import build_amp
-from .config import load_config, parse_settings
+from .config import Settings, load_config
 from .context import global_context as gpc
 from .engine import Engine, GradientReducer, broadcast_parameters, data_parallel_axis
+from .pipeline.runtime import PipelineSchedule
+from .zero.apply import apply_zero
 from .zero.chunk.lazy import check_meta_model
-from .zero.low_level import apply_zero, check_zero
 
 
-def _check_supported(cfg: Mapping):
-    check_zero(cfg)  # ZeRO config errors and unsupported combinations, before any collective
-
-
-def choose_schedule(cfg: Mapping, model: torch.nn.Module):
+def choose_schedule(settings: Settings, model: torch.nn.Module):
     """``(schedule, num_microbatches)``: the pipeline runtime when ``parallel.pipeline`` > 1
     (the model must be built for the launched layout), else the plain schedule."""
-    settings = parse_settings(cfg).pipeline
-    if settings.size == 1:
-        return None, settings.num_microbatches
-    from .pipeline.runtime import PipelineSchedule
+    pipeline = settings.pipeline
+    if pipeline.size == 1:
+        return None, pipeline.num_microbatches
     stages = getattr(model, 'stages', None)
-    if not stages or stages[0].count != settings.stages:
-        raise ValueError(f'parallel.pipeline = {settings.size} (x {settings.chunks} chunks) '
+    if not stages or stages[0].count != pipeline.stages:
+        raise ValueError(f'parallel.pipeline = {pipeline.size} (x {pipeline.chunks} chunks) '
                          f'needs a model built after launch for this layout, cut into '
-                         f'{settings.stages} stages (a colossal_lite.pipeline.StagedModel, '
+                         f'{pipeline.stages} stages (a colossal_lite.pipeline.StagedModel, '
                          f'e.g. the GPT/BERT/ViT of the model zoo); got '
                          f'{type(model).__name__}')
-    return PipelineSchedule(settings), settings.num_microbatches
+    return PipelineSchedule(pipeline), pipeline.num_microbatches
 
 
-def build_gradient_handler(cfg: Mapping, model: torch.nn.Module) -> Optional[GradientReducer]:
+def build_gradient_handler(settings: Settings, model: torch.nn.Module) -> Optional[GradientReducer]:
     """The bucketed data-parallel all-reduce, or None with a single replica."""
     if data_parallel_axis().size == 1:
         return None
-    return GradientReducer(model.parameters(), **parse_settings(cfg).engine.handler_options())
+    return GradientReducer(model.parameters(), **settings.engine.handler_options())
 
 
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, criterion=None,
@@ -69,20 +67,25 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, criteri
                config: Optional[Mapping] = None):
     """``(engine, train_dataloader, test_dataloader, lr_scheduler)`` for the launched config.
 
-    ``config`` (optional) replaces ``gpc.config`` for this call, e.g. for a serial
-    run without ``launch()``; the parallel layout always comes from the launch.
+    ``config`` (optional) replaces the launched settings (``gpc.settings``) for this call,
+    e.g. for a serial run without ``launch()``; the parallel layout always comes from the
+    launch.
     """
-    cfg = load_config(config) if config is not None else gpc.config
-    _check_supported(cfg)
-    if not check_meta_model(cfg, model):  # a meta model goes straight into ZeRO-3 chunks
+    settings = load_config(config).settings if config is not None else _launched_settings()
+    if not check_meta_model(settings.zero, model):  # a meta model goes straight into ZeRO-3
         model.to(gpc.device)
         broadcast_parameters(model)
-    amp, handler = (apply_zero(cfg, model, optimizer)  # ZeRO-1/2: its own handler, see zero/
-                    or (build_amp(parse_settings(cfg).amp.as_dict(), model, optimizer), None))
+    amp, handler = (apply_zero(settings, model, optimizer)  # ZeRO-1/2/3: its own handler
+                    or (build_amp(settings.amp.as_dict(), model, optimizer), None))
     model, optimizer = amp.model, amp.optimizer
-    schedule, num_microbatches = choose_schedule(cfg, model)
+    schedule, num_microbatches = choose_schedule(settings, model)
     engine = Engine(model, optimizer, criterion,
-                    gradient_handler=handler or build_gradient_handler(cfg, model), amp=amp,
-                    clip_grad_norm=parse_settings(cfg).engine.clip_grad_norm,
+                    gradient_handler=handler or build_gradient_handler(settings, model), amp=amp,
+                    clip_grad_norm=settings.engine.clip_grad_norm,
                     num_microbatches=num_microbatches, schedule=schedule)
     return engine, train_dataloader, test_dataloader, lr_scheduler
+
+
+def _launched_settings() -> Settings:
+    """The launched run's settings; without a launch, those of an empty config (serial)."""
+    return gpc.settings if gpc.settings is not None else load_config({}).settings

@@ -30,9 +30,9 @@ def launch(config: Any, rank: int, world_size: int, host: str, port: int,
     before any process group is created, so a bad config fails on every rank
     at once instead of hanging.
     """
-    cfg = load_config(config)
-    run = cfg.settings.run
-    cfg.settings.layout.with_world_size(world_size)
+    settings = load_config(config).settings
+    run = settings.run
+    settings.layout.with_world_size(world_size)
     if not 0 <= rank < world_size:
         raise ConfigError(f'rank must be in [0, world_size={world_size}), got {rank}')
     backend = backend or run.backend or _default_backend()
@@ -44,7 +44,7 @@ def launch(config: Any, rank: int, world_size: int, host: str, port: int,
 
     gpc.init_global_dist(rank, world_size, backend, init_method, timeout)
     gpc.set_device(local_rank)
-    gpc.init_parallel_groups(cfg)
+    gpc.init_parallel_groups(settings)
     gpc.set_seed(seed)
     return gpc
 

@@ -3,9 +3,10 @@
 The library never imports a model package itself. A package of models registers them
 when it is imported::
 
-    from colossal_lite.models import SizeRule, register_model
-    register_model('gpt', GPT, presets=GPT_PRESETS, loss=GPTLMLoss, data='shakespeare',
-                   rules=lambda o: [SizeRule('model.heads', o['heads'], 'head'), ...])
+    from colossal_lite.models import ModelTraits, PlannerShape, SizeRule, register_model
+    register_model('my_lm', MyLM, presets=MY_PRESETS, loss=MyLMLoss, data='shakespeare',
+                   rules=lambda o: [SizeRule('model.heads', o['heads'], 'head'), ...],
+                   shape=PlannerShape(), traits=ModelTraits(causal=True, tied_head=True))
 
 and the job finds it in one of two ways:
 
@@ -17,9 +18,17 @@ and the job finds it in one of two ways:
 
 A model's options are its preset's values updated by the config's other ``model`` keys;
 an option is legal when the preset has it or the builder takes it as a keyword.
+
+An entry may also describe itself to the planner (``colossal_lite.auto``), which reads a
+model only through that description and never by its name: ``shape`` (a
+:class:`PlannerShape`: which options hold its sizes) and ``traits`` (a :class:`ModelTraits`:
+the structure its parameter, FLOP and memory formulas depend on); ``hf`` (an
+:class:`HFAdapter`) names its Hugging Face conversion and ``profile=True`` marks the model
+whose blocks ``python -m colossal_lite.auto.profile`` times.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -27,6 +36,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 ENTRY_POINT_GROUP = 'colossal_lite.models'
 SPLITS = ('head', 'hidden', 'vocab', 'sequence', 'batch')  # TensorFamily.<kind>_split
+INPUTS = ('tokens', 'images')   # ModelTraits.inputs
 
 
 @dataclass(frozen=True)
@@ -47,11 +57,107 @@ class SizeRule:
 
 
 @dataclass(frozen=True)
+class PlannerShape:
+    """Where the planner finds a model's sizes: each field names the option that holds one
+    (None: the model has no such size). An option missing from the resolved options takes
+    the builder's keyword default.
+
+    ``layers`` blocks, ``hidden`` width h, ``heads`` attention (query) heads; ``kv_heads``
+    key/value heads (grouped-query attention; None: as many as ``heads``); ``ffn`` the MLP's
+    inner width (None: ``mlp_ratio`` x h); ``vocab`` token-embedding rows (None: no token
+    input); ``seq`` the longest sequence, the planner's default sequence length;
+    ``positions`` rows of a learned position embedding (None: none, e.g. rotary);
+    ``segments`` rows of a token-type embedding; ``classes`` a classifier head's outputs
+    (None: the head predicts the vocabulary); ``image`` / ``patch`` / ``channels`` an image
+    input's side, patch side and channels (a patch embedding: 1 class token +
+    (image / patch)^2 tokens, which fix the sequence); ``pair_head`` a flag option adding a
+    pooled two-way classifier on the first token (a pooler linear, then 2 outputs: a
+    next-sentence head). ``blocks`` is the attribute holding the built blocks (the
+    ``StagedModel.build_blocks`` ModuleDict, keyed by serial index)."""
+
+    layers: str = 'layers'
+    hidden: str = 'hidden'
+    heads: str = 'heads'
+    kv_heads: Optional[str] = None
+    ffn: Optional[str] = None
+    mlp_ratio: Optional[str] = 'mlp_ratio'
+    vocab: Optional[str] = 'vocab_size'
+    seq: Optional[str] = 'max_positions'
+    positions: Optional[str] = 'max_positions'
+    segments: Optional[str] = None
+    classes: Optional[str] = None
+    image: Optional[str] = None
+    patch: Optional[str] = None
+    channels: Optional[str] = None
+    pair_head: Optional[str] = None
+    blocks: str = 'blocks'
+
+    def __post_init__(self):
+        image = (self.image, self.patch, self.channels)
+        if any(image) and not all(image):
+            raise ValueError(f'PlannerShape: an image input names image, patch and channels, '
+                             f'got {image}')
+        if self.vocab is None and self.image is None:
+            raise ValueError('PlannerShape: the model needs a token input (vocab) or an '
+                             'image input (image, patch, channels)')
+        if self.vocab is None and self.classes is None:
+            raise ValueError('PlannerShape: a model without a vocabulary needs a classifier '
+                             'head (classes)')
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    """The structure behind a model's parameter, FLOP and memory formulas (its blocks are
+    attention + MLP with a LayerNorm each; the defaults: a pre-LN model on tokens with an
+    untied, bias-free head on every token).
+
+    ``inputs``: 'tokens' or 'images' (what the planner's job feeds it); ``causal``: causal
+    attention (ring attention keeps 2s - 1 score statistics per head instead of s);
+    ``causal_mask``: each block's attention builds an s x s mask and saves it for backward;
+    ``final_norm``: a LayerNorm between the last block and the head (pre-LN);
+    ``embedding_norm``: a LayerNorm after the embeddings (post-LN); ``head_transform``: a
+    transform before the head (masked-LM: dense, GELU, LayerNorm); ``head_per_token``: the
+    head runs on every token (a language model) or on one (a classifier on the class
+    token); ``head_bias``: the head has a bias; ``tied_head``: the head's weight is the
+    token embedding's (a pipelined model's last stage holds a copy); ``gated_mlp``: the MLP
+    has two input projections (SwiGLU)."""
+
+    inputs: str = 'tokens'
+    causal: bool = False
+    causal_mask: bool = False
+    final_norm: bool = True
+    embedding_norm: bool = False
+    head_transform: bool = False
+    head_per_token: bool = True
+    head_bias: bool = False
+    tied_head: bool = False
+    gated_mlp: bool = False
+
+    def __post_init__(self):
+        if self.inputs not in INPUTS:
+            raise ValueError(f'ModelTraits.inputs must be one of {INPUTS}, got {self.inputs!r}')
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """A registered model's Hugging Face conversion: ``from_hf(path_or_model, **overrides)``
+    builds it for the launched layout with a transformers model's weights;
+    ``save_hf(model, directory)`` (collective) writes a directory transformers loads."""
+
+    from_hf: Callable[..., Any]
+    save_hf: Callable[[Any, Any], None]
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     """One registered model: ``builder(**options)`` builds it (for the current context),
     ``loss()`` its training criterion; ``data`` the bundled data set a job trains it on
     (None: none); ``rules(options)`` the sizes a layout must divide; ``layers`` the option
-    counting its transformer blocks (what a pipeline cuts)."""
+    counting its transformer blocks (what a pipeline cuts). For the planner: ``shape``
+    (None: the planner cannot describe it) and ``traits``; ``hf`` its Hugging Face
+    conversion (None: none); ``profile``: the model ``auto.profile`` times (a causal token
+    model taking ``vocab_size``, ``max_positions``, ``hidden``, ``heads``, ``layers`` and
+    ``dropout``; one entry at most)."""
 
     name: str
     builder: Callable[..., Any]
@@ -61,6 +167,26 @@ class ModelEntry:
     rules: Optional[Callable[[Mapping[str, Any]], Sequence[SizeRule]]] = None
     layers: Optional[str] = 'layers'
     label: str = ''
+    shape: Optional[PlannerShape] = None
+    traits: ModelTraits = ModelTraits()
+    hf: Optional[HFAdapter] = None
+    profile: bool = False
+
+    def __post_init__(self):
+        if self.shape is not None and self.shape.layers != self.layers:
+            raise ValueError(f"model '{self.name}': the planner shape counts blocks in option "
+                             f"{self.shape.layers!r}, the entry in {self.layers!r}")
+
+    def option(self, options: Mapping[str, Any], name: str) -> Any:
+        """Option ``name`` of resolved ``options``, else the builder's keyword default;
+        KeyError when it has neither."""
+        if name in options:
+            return options[name]
+        default = _defaults(self.builder).get(name, inspect.Parameter.empty)
+        if default is inspect.Parameter.empty:
+            raise KeyError(f"model '{self.name}' has no option {name!r} and its builder no "
+                           f"default for it")
+        return default
 
     def options(self, preset: Optional[str], overrides: Mapping[str, Any]) -> Dict[str, Any]:
         """The preset's options updated by ``overrides``; ValueError on an unknown preset
@@ -90,10 +216,13 @@ _entry_points_loaded = False
 def register_model(name: str, builder: Callable[..., Any], presets: Optional[Mapping] = None,
                    loss: Optional[Callable[[], Any]] = None, data: Optional[str] = None,
                    rules: Optional[Callable] = None, layers: Optional[str] = 'layers',
-                   label: str = '', replace: bool = False) -> ModelEntry:
+                   label: str = '', replace: bool = False, *,
+                   shape: Optional[PlannerShape] = None, traits: Optional[ModelTraits] = None,
+                   hf: Optional[HFAdapter] = None, profile: bool = False) -> ModelEntry:
     """Make ``model=dict(type=name, ...)`` build ``builder(**options)``; see :class:`ModelEntry`.
     Registering a taken name with another builder needs ``replace=True``."""
-    entry = ModelEntry(name, builder, dict(presets or {}), loss, data, rules, layers, label)
+    entry = ModelEntry(name, builder, dict(presets or {}), loss, data, rules, layers, label,
+                       shape, traits or ModelTraits(), hf, profile)
     old = _REGISTRY.get(name)
     if old is not None and old.builder is not builder and not replace:
         raise ValueError(f"model name '{name}' is already registered to {old.builder!r}; "
@@ -143,6 +272,23 @@ def import_modules(names: Sequence[str]):
             importlib.import_module(name)
         except ImportError as err:
             raise ValueError(f'could not import {name!r}: {type(err).__name__}: {err}') from err
+
+
+def _defaults(fn) -> Dict[str, Any]:
+    """The keyword defaults of ``fn`` (a class: of its constructor); read, never modify."""
+    try:
+        return _hashable_defaults(fn)
+    except TypeError:   # an unhashable callable: not cached
+        return _hashable_defaults.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _hashable_defaults(fn) -> Dict[str, Any]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in params if p.default is not p.empty}
 
 
 def _keywords(fn) -> set:

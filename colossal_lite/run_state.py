@@ -25,6 +25,10 @@ import os
 import signal
 from typing import List, Optional
 
+from . import checkpoint
+from .checkpoint.io import COMMON
+from .checkpoint.job import job_extra
+from .context import global_context as gpc
 from .trainer import hooks as H
 
 KILL_ENV = 'COLOSSAL_LITE_TEST_KILL'
@@ -36,13 +40,12 @@ def restart_count() -> int:
 
 
 def is_complete(path: str) -> bool:
-    from .checkpoint.io import COMMON
     return os.path.isfile(os.path.join(path, COMMON))
 
 
 def resume_dir(spec, resume: Optional[str]) -> Optional[str]:
     """The checkpoint this worker continues from (see the module doc), or None."""
-    own = spec.checkpoint.get('path') if spec.checkpoint else None
+    own = spec.checkpoint.path if spec.checkpoint else None
     if restart_count() > 0 and own and is_complete(own):
         return own
     return resume
@@ -51,7 +54,6 @@ def resume_dir(spec, resume: Optional[str]) -> Optional[str]:
 def saved_step(path: str) -> int:
     """The global step a complete checkpoint was saved at (no collective)."""
     import torch
-    from .checkpoint.io import COMMON
     if not is_complete(path):
         raise FileNotFoundError(f'{path} is not a complete checkpoint (no {COMMON})')
     return torch.load(os.path.join(path, COMMON), weights_only=False)['global_step']
@@ -63,8 +65,6 @@ def resume(spec, engine, lr_scheduler, train_loader, resume_from: Optional[str])
     path = resume_dir(spec, resume_from)
     if path is None:
         return 0
-    from . import checkpoint
-    from .context import global_context as gpc
     checkpoint.load(path, engine, lr_scheduler=lr_scheduler, dataloader=train_loader)
     if gpc.get_global_rank() == 0:
         again = f' (restart {restart_count()})' if restart_count() else ''
@@ -72,17 +72,17 @@ def resume(spec, engine, lr_scheduler, train_loader, resume_from: Optional[str])
     return engine.global_step
 
 
-def hooks(spec, start_step: int, total: int, config_path: Optional[str], lr_scheduler,
+def hooks(settings, spec, start_step: int, total: int, config_path: Optional[str], lr_scheduler,
           train_loader) -> List[H.BaseHook]:
-    """The trainer hooks of the job's checkpoints: the start step, the saves, the test kill."""
+    """The trainer hooks of the job's checkpoints: the start step, the saves (carrying
+    ``settings``' config, ``checkpoint.job.job_extra``), the test kill."""
     out: List[H.BaseHook] = [_StartAt(start_step)]
     if spec.checkpoint:
-        from .checkpoint.job import job_extra
-        extra = job_extra(config_path, steps=total) if config_path else None
-        out.append(H.SaveCheckpointHook(spec.checkpoint['path'], spec.checkpoint['interval'],
+        extra = job_extra(settings, config_path, steps=total)
+        out.append(H.SaveCheckpointHook(spec.checkpoint.path, spec.checkpoint.interval,
                                         by_step=True, lr_scheduler=lr_scheduler,
                                         dataloader=train_loader, extra=extra,
-                                        async_save=spec.checkpoint.get('async_save', False)))
+                                        async_save=spec.checkpoint.async_save))
     if os.environ.get(KILL_ENV) and restart_count() == 0:
         rank, step = (int(x) for x in os.environ[KILL_ENV].split(':'))
         out.append(_KillAt(rank, step))
@@ -114,6 +114,5 @@ class _KillAt(H.BaseHook):
         self.rank, self.step = rank, step
 
     def after_train_iter(self, trainer, output, label, loss):
-        from .context import global_context as gpc
         if trainer.cur_step == self.step and gpc.get_global_rank() == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)

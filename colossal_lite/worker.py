@@ -1,5 +1,5 @@
 """One rank of ``colossal-lite train``: launch from the launcher's environment, build the
-job of the config (``colossal_lite/job.py``), train it through ``initialize`` + ``Trainer``,
+job of the config (``colossal_lite/job/``), train it through ``initialize`` + ``Trainer``,
 and print the report on rank 0.
 
 Printed on rank 0: the loss (mean over data-parallel replicas) every ``train.log_every``
@@ -23,11 +23,18 @@ from typing import Optional
 
 import torch
 
-from .communication import all_gather, total_stats
-from .config import ConfigError, load_config
-from .context import ParallelMode, global_context as gpc
+from . import run_state
+from .communication import all_gather, all_reduce, total_stats
+from .config import ConfigError, Settings, load_config
+from .context import ParallelMode
+from .context import global_context as gpc
+from .initialize import initialize
+from .job import (build_criterion, build_data, build_model, build_optimizer, build_scheduler,
+                  check_data, prepare_data, resolve_model_partition)
 from .launch import launch_from_torch
+from .trainer import Trainer
 from .trainer import hooks as H
+from .zero.chunk import building_into_chunks
 
 # ParallelMode names in a fixed order for the byte table (gathered as one tensor)
 _MODES = [m for m in ParallelMode]
@@ -90,30 +97,27 @@ def _report(trainer, spec, history: _LossHistory, elapsed: float):
             f'({"fell" if last < first else "did not fall"}) wall={elapsed:.1f}s')
 
 
-def train(cfg, spec=None, resume: Optional[str] = None, config_path: Optional[str] = None) -> dict:
-    """Train the launched config's job (``spec``: default ``cfg.settings.job``), continuing
+def train(settings: Settings, spec=None, resume: Optional[str] = None,
+          config_path: Optional[str] = None) -> dict:
+    """Train the launched config's job (``spec``: default ``settings.job``), continuing
     from checkpoint ``resume`` when given (``run_state``: also after an elastic restart);
     ``config_path`` goes into the job's checkpoints. Returns the trainer's metrics plus
     ``losses`` (every step's loss, averaged over replicas) on every rank."""
-    from . import initialize, run_state
-    from .job import build_criterion, build_data, build_model, build_optimizer, build_scheduler
-    from .trainer import Trainer
-    settings = cfg.settings
     spec = spec or settings.job
     text = spec.is_text
-    from .zero.chunk import building_into_chunks
-    with building_into_chunks(cfg):  # zero stage 3: on meta, drawn into chunk shards by initialize
+    if spec.data_type == 'hf':
+        spec = _prepare_on_rank0_first(spec)
+    resolve_model_partition(spec)  # partition='cost': timed and agreed before the build
+    with building_into_chunks(settings.zero):  # ZeRO-3: on meta, drawn into chunk shards
         model = build_model(spec)
     accumulation = settings.engine.num_microbatches
-    if spec.data_type == 'hf':
-        _prepare_on_rank0_first(spec)
     train_dl, test_dl, _ = build_data(spec, gpc.device, accumulation)
     optimizer = build_optimizer(spec, model)
     steps_per_epoch = len(train_dl) // accumulation
     if steps_per_epoch == 0:  # same on every rank, before any collective
         raise ConfigError(f"'num_microbatches' (or 'gradient_accumulation') = {accumulation} "
                           f"exceeds the {len(train_dl)} micro-batches of an epoch")
-    total = spec.train['steps'] or spec.train['epochs'] * steps_per_epoch
+    total = spec.train.steps or spec.train.epochs * steps_per_epoch
     epochs = max(1, math.ceil(total / max(1, steps_per_epoch)))
     scheduler = build_scheduler(spec, optimizer, total)
     engine, train_dl, test_dl, scheduler = initialize(model, optimizer, build_criterion(spec),
@@ -126,15 +130,15 @@ def train(cfg, spec=None, resume: Optional[str] = None, config_path: Optional[st
     bar = H.ProgressBarHook(total - resumed_at, 'tokens/s' if text else 'samples/s')
     hooks = [H.LossHook(), history, H.ThroughputHook(warmup=2, tokens=text),
              H.LRSchedulerHook(scheduler), bar,
-             H.LogMetricByStepHook(spec.train['log_every'], printer=bar.printer)]
+             H.LogMetricByStepHook(spec.train.log_every, printer=bar.printer)]
     if not text:
         hooks += [H.AccuracyHook(), H.LogMetricByEpochHook(printer=bar.printer)]
-    hooks += run_state.hooks(spec, resumed_at, total, config_path, scheduler, train_dl)
-    if 'tensorboard' in spec.log:
-        hooks.append(H.TensorBoardHook(spec.log['tensorboard']))
+    hooks += run_state.hooks(settings, spec, resumed_at, total, config_path, scheduler, train_dl)
+    if spec.log.tensorboard is not None:
+        hooks.append(H.TensorBoardHook(spec.log.tensorboard))
     params = H.full_parameter_count(engine.model)
     _print0(f'model: {spec.kind} {params / 1e6:.2f}M parameters; {total} steps of global batch '
-            f'{spec.train["global_batch_size"]} ({accumulation} micro-batches); '
+            f'{spec.train.global_batch_size} ({accumulation} micro-batches); '
             f'{steps_per_epoch} steps per epoch')
     total_stats.reset()
     start = time.perf_counter()
@@ -143,7 +147,7 @@ def train(cfg, spec=None, resume: Optional[str] = None, config_path: Optional[st
                 test_dataloader=None if text else test_dl)
     elapsed = time.perf_counter() - start
     if text:
-        trainer.evaluate(_limited(test_dl, spec.train['eval_batches']), hooks=[H.LossHook(), history])
+        trainer.evaluate(_limited(test_dl, spec.train.eval_batches), hooks=[H.LossHook(), history])
     _report(trainer, spec, history, elapsed)
     return dict(trainer.metrics, losses=list(history.losses), records=list(history.records))
 
@@ -151,12 +155,12 @@ def train(cfg, spec=None, resume: Optional[str] = None, config_path: Optional[st
 def _prepare_on_rank0_first(spec):
     """Rank 0 trains / loads the tokenizer and fills ``datasets``' cache, then the others read
     it (one GLOBAL all_reduce as the barrier); ``colossal-lite train`` did it already in the
-    parent, so this only loads."""
-    from .communication import all_reduce
-    from .job import prepare_data
+    parent, so this only loads. Returns ``spec`` with a tokenizer file's vocabulary."""
+    spec = check_data(spec)
     if gpc.get_global_rank() == 0:
         prepare_data(spec)
     all_reduce(torch.zeros(1, device=gpc.device), ParallelMode.GLOBAL)
+    return spec
 
 
 def write_run_files(records, run_dir: str) -> list:
@@ -208,7 +212,7 @@ def launch_worker(cfg) -> None:
     backend (default: NCCL where CUDA is available, else gloo)."""
     os.environ['OMP_NUM_THREADS'] = '1'
     torch.set_num_threads(1)
-    backend = cfg.settings.run.backend or ('nccl' if torch.cuda.is_available() else 'gloo')
+    backend = load_config(cfg).settings.run.backend or ('nccl' if torch.cuda.is_available() else 'gloo')
     launch_from_torch(cfg, backend=backend)
 
 
@@ -219,7 +223,7 @@ def worker_main(config_path: str, steps: Optional[int] = None, resume: Optional[
     spec = cfg.settings.job.with_steps(steps)
     launch_worker(cfg)
     try:
-        result = train(gpc.config, spec, resume=resume, config_path=config_path)
+        result = train(gpc.settings, spec, resume=resume, config_path=config_path)
         if gpc.get_global_rank() == 0:
             written = write_run_files(result['records'], spec.run_dir)
             print('wrote ' + ', '.join(written), flush=True)

@@ -3,9 +3,11 @@
 Each model is built for the layout of the launched context (serial when none).
 Importing this package registers ``gpt``, ``bert`` and ``vit`` in
 ``colossal_lite.models`` (``setup.py`` names this package in the entry-point group
-``colossal_lite.models``, so ``model=dict(type='gpt', ...)`` finds it).
+``colossal_lite.models``, so ``model=dict(type='gpt', ...)`` finds it), each with its
+planner descriptor (``PlannerShape``, ``ModelTraits``: how ``colossal_lite.auto`` costs it)
+and its Hugging Face adapter; GPT is the model ``colossal_lite.auto.profile`` times.
 """
-from colossal_lite.models import SizeRule, register_model
+from colossal_lite.models import HFAdapter, ModelTraits, PlannerShape, SizeRule, register_model
 import colossal_lite.nn as col_nn
 
 from .bert import BERT, BERT_PRESETS, BertPretrainingLoss
@@ -36,8 +38,17 @@ def _vit_rules(o):
 
 
 register_model('gpt', GPT, GPT_PRESETS, loss=GPTLMLoss, data='shakespeare',
-               rules=_transformer_rules, label='GPT')
+               rules=_transformer_rules, label='GPT', shape=PlannerShape(),
+               traits=ModelTraits(causal=True, causal_mask=True, tied_head=True),
+               hf=HFAdapter(GPT.from_hf, GPT.save_hf), profile=True)
 register_model('bert', BERT, BERT_PRESETS, loss=BertPretrainingLoss, rules=_transformer_rules,
-               label='BERT')
+               label='BERT', shape=PlannerShape(segments='type_vocab_size', pair_head='nsp'),
+               traits=ModelTraits(final_norm=False, embedding_norm=True, head_transform=True,
+                                  head_bias=True, tied_head=True),
+               hf=HFAdapter(BERT.from_hf, BERT.save_hf))
 register_model('vit', ViT, VIT_PRESETS, loss=col_nn.CrossEntropyLoss, data='digits',
-               rules=_vit_rules, label='ViT')
+               rules=_vit_rules, label='ViT',
+               shape=PlannerShape(vocab=None, seq=None, positions=None, classes='num_classes',
+                                  image='img_size', patch='patch_size', channels='in_chans'),
+               traits=ModelTraits(inputs='images', head_per_token=False, head_bias=True),
+               hf=HFAdapter(ViT.from_hf, ViT.save_hf))

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 import colossal_lite.nn as col_nn
-from colossal_lite.pipeline.stages import StagedModel
 from colossal_lite.tensor import init_by_name
 
-from .blocks import normal_init, plan_transformer_stages, preset_config, stage_blocks, zeros_init
+from .blocks import (StagedTransformer, normal_init, plan_transformer_stages, preset_config,
+                     stage_blocks, zeros_init)
 from .hf import HFConvertible, constructor_args
 
 # 30522 is padded to 30528 (divisible by 64) so every tensor split divides
@@ -21,7 +21,7 @@ BERT_PRESETS = {
 }
 
 
-class BERT(HFConvertible, StagedModel):
+class BERT(HFConvertible, StagedTransformer):
     """``BERT(...)(input_ids [b, s], attention_mask=None, token_type_ids=None)``
     -> ``(mlm_logits, nsp_logits)`` (only ``mlm_logits`` when ``nsp=False``)."""
 
@@ -39,11 +39,7 @@ class BERT(HFConvertible, StagedModel):
                 first_params=(vocab_size + max_positions + type_vocab_size + 2) * hidden,
                 last_params=(hidden + 3 + vocab_size) * hidden + vocab_size
                 + ((hidden + 3) * hidden + 2 if nsp else 0),
-                options=dict(vocab_size=vocab_size, max_positions=max_positions, hidden=hidden,
-                             layers=layers, heads=heads, mlp_ratio=mlp_ratio, eps=eps,
-                             type_vocab_size=type_vocab_size, nsp=nsp),
-                sample=lambda: (torch.zeros(2, min(max_positions, 64), dtype=torch.long),),
-                checkpoint=checkpoint)
+                options=self.arch_args, checkpoint=checkpoint)
             if self.holds_first or self.holds_last:
                 self.word_embeddings = col_nn.VocabParallelEmbedding(vocab_size, hidden,
                                                                      weight_init=init)
@@ -68,6 +64,10 @@ class BERT(HFConvertible, StagedModel):
                                                 bias_init=zeros_init)
                     self.nsp_head = col_nn.Classifier(hidden, 2, weight_init=init)
         self.tie_across_stages('word_embeddings.weight')  # the LM head's weight on the last stage
+
+    @classmethod
+    def cost_sample(cls, args: dict) -> tuple:
+        return (torch.zeros(2, min(args['max_positions'], 64), dtype=torch.long),)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> 'BERT':

@@ -5,12 +5,13 @@ launched tensor mode, how weights and activations are split.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Tuple
 
 import torch
 from torch import nn
 
 import colossal_lite.nn as col_nn
+from colossal_lite.pipeline.stages import StagedModel, measure_part_costs, transformer_weights
 
 
 def normal_init(std: float = 0.02) -> Callable[[torch.Tensor, object], object]:
@@ -102,9 +103,6 @@ class TransformerLayer(nn.Module):
         return self._forward(x, key_padding_mask, kv_cache)
 
 
-_MEASURED: dict = {}  # (model class, options) -> measured (first, block, last) seconds
-
-
 def checkpointed_blocks(checkpoint, layers: int) -> frozenset:
     """The serial indices of the blocks a model's ``checkpoint`` option recomputes in
     backward: ``True`` all ``layers`` blocks, ``False`` none, or a collection (list, tuple,
@@ -125,26 +123,45 @@ def checkpointed_blocks(checkpoint, layers: int) -> frozenset:
     return frozenset(checkpoint)
 
 
-def plan_transformer_stages(model, layers: int, hidden: int, mlp_ratio: int, first_params: int,
-                            last_params: int, options: dict, sample: Callable[[], tuple],
-                            checkpoint=False):
-    """Decide ``model``'s pipeline stages over ``layers`` blocks and which blocks are
-    checkpointed (``model.checkpointed``: :func:`checkpointed_blocks` of ``checkpoint``,
-    checked first, before the ``cost`` partition's collective). ``first_params`` /
-    ``last_params``: parameter counts of the parts before and after the blocks (for
-    ``partition='parameters'``); ``options``: the model's constructor arguments and
-    ``sample()``: small inputs, to time its parts (``partition='cost'``)."""
-    from colossal_lite.pipeline.stages import measure_part_costs, transformer_weights
-    model.checkpointed = checkpointed_blocks(checkpoint, layers)
+_MEASURED: dict = {}  # (model class, arguments of the timed copy) -> (first, block, last) s
 
-    def measure():
-        small = dict(options, layers=3, dropout=0.0, checkpoint=False)
-        key = (type(model).__name__, tuple(sorted(small.items())))
-        if key not in _MEASURED:  # once per process: every described rank cuts alike
-            _MEASURED[key] = measure_part_costs(lambda: type(model)(**small), sample)
+
+class StagedTransformer(StagedModel):
+    """GPT, BERT and ViT: a first part, transformer blocks and a last part cut into pipeline
+    stages (``colossal_lite.pipeline.stages``); each subclass gives :meth:`cost_sample`."""
+
+    untimed_options = ('dropout', 'init_std', 'checkpoint')
+
+    @classmethod
+    def cost_sample(cls, args: dict) -> tuple:
+        """Small inputs for the model built with constructor arguments ``args``."""
+        raise NotImplementedError
+
+    @classmethod
+    def part_costs(cls, args: dict) -> Tuple[float, float, float]:
+        """(first part, one block, last part) forward+backward seconds of ``cls(**args)`` on
+        this CPU, for ``partition='cost'`` (``colossal_lite.pipeline.resolve_partition``):
+        a 3-block copy with dropout 0 timed as a described 3-stage pipeline
+        (``measure_part_costs``), once per process and arguments. No communication."""
+        small = dict(args, layers=3, dropout=0.0, checkpoint=False)
+        key = (cls.__name__, tuple(sorted(small.items())))
+        if key not in _MEASURED:
+            _MEASURED[key] = measure_part_costs(lambda: cls(**small),
+                                                lambda: cls.cost_sample(small))
         return _MEASURED[key]
-    model.plan_stages(layers, transformer_weights(hidden, mlp_ratio, first_params, last_params,
-                                                  measure))
+
+
+def plan_transformer_stages(model, layers: int, hidden: int, mlp_ratio: int, first_params: int,
+                            last_params: int, options: dict, checkpoint=False):
+    """Decide ``model``'s pipeline stages over ``layers`` blocks and which blocks are
+    checkpointed (``model.checkpointed``: :func:`checkpointed_blocks` of ``checkpoint``).
+    ``first_params`` / ``last_params``: parameter counts of the parts before and after the
+    blocks (``partition='parameters'``); ``options``: the model's constructor arguments, which
+    name the cut ``resolve_partition`` agreed for ``partition='cost'``. Neither times nor
+    communicates."""
+    model.checkpointed = checkpointed_blocks(checkpoint, layers)
+    model.plan_stages(layers, transformer_weights(hidden, mlp_ratio, first_params, last_params),
+                      options=options)
 
 
 def stage_blocks(model, hidden: int, heads: int, mlp_ratio: int, dropout: float,

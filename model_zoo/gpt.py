@@ -6,10 +6,10 @@ from torch import nn
 
 import colossal_lite.nn as col_nn
 from colossal_lite.nn.registry import current_mode
-from colossal_lite.pipeline.stages import StagedModel
 from colossal_lite.tensor import init_by_name
 
-from .blocks import normal_init, plan_transformer_stages, preset_config, stage_blocks
+from .blocks import (StagedTransformer, normal_init, plan_transformer_stages, preset_config,
+                     stage_blocks)
 from .hf import HFConvertible, constructor_args
 from .kv_cache import KVCache
 
@@ -23,7 +23,7 @@ GPT_PRESETS = {
 }
 
 
-class GPT(HFConvertible, StagedModel):
+class GPT(HFConvertible, StagedTransformer):
     """``GPT(...)(input_ids [b, s]) -> logits`` (vocab-split under tensor parallelism;
     ``colossal_lite.nn.gather_logits`` gives the full ``[b, s, V]``).
 
@@ -38,12 +38,9 @@ class GPT(HFConvertible, StagedModel):
         self.arch_args = constructor_args(locals())  # for save_hf
         with init_by_name(self):  # each weight a function of (seed, its name)
             self.max_positions = max_positions
-            options = dict(vocab_size=vocab_size, max_positions=max_positions, hidden=hidden,
-                           layers=layers, heads=heads, mlp_ratio=mlp_ratio, eps=eps)
             plan_transformer_stages(
                 self, layers, hidden, mlp_ratio, first_params=(vocab_size + max_positions) * hidden,
-                last_params=(vocab_size + 2) * hidden, options=options,
-                sample=lambda: (torch.zeros(2, min(max_positions, 64), dtype=torch.long),),
+                last_params=(vocab_size + 2) * hidden, options=self.arch_args,
                 checkpoint=checkpoint)
             if self.holds_first or self.holds_last:
                 self.wte = col_nn.VocabParallelEmbedding(vocab_size, hidden,
@@ -59,6 +56,10 @@ class GPT(HFConvertible, StagedModel):
                 self.lm_head = col_nn.VocabParallelClassifier(hidden, vocab_size, bias=False,
                                                               weight=self.wte.weight)
         self.tie_across_stages('wte.weight')  # the LM head's weight on the last stage
+
+    @classmethod
+    def cost_sample(cls, args: dict) -> tuple:
+        return (torch.zeros(2, min(args['max_positions'], 64), dtype=torch.long),)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> 'GPT':

@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 import colossal_lite.nn as col_nn
-from colossal_lite.pipeline.stages import StagedModel
 from colossal_lite.tensor import init_by_name
 
-from .blocks import normal_init, plan_transformer_stages, preset_config, stage_blocks, zeros_init
+from .blocks import (StagedTransformer, normal_init, plan_transformer_stages, preset_config,
+                     stage_blocks, zeros_init)
 from .hf import HFConvertible, constructor_args
 
 VIT_PRESETS = {
@@ -22,7 +22,7 @@ VIT_PRESETS = {
 }
 
 
-class ViT(HFConvertible, StagedModel):
+class ViT(HFConvertible, StagedTransformer):
     """``ViT(...)(images [b, C, H, W]) -> class logits [b, num_classes]``."""
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, num_classes: int, hidden: int,
@@ -36,11 +36,7 @@ class ViT(HFConvertible, StagedModel):
                 self, layers, hidden, mlp_ratio,
                 first_params=(in_chans * patch_size ** 2 + 3 + patches) * hidden,
                 last_params=(num_classes + 2) * hidden + num_classes,
-                options=dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans,
-                             num_classes=num_classes, hidden=hidden, layers=layers, heads=heads,
-                             mlp_ratio=mlp_ratio, eps=eps),
-                sample=lambda: (torch.zeros(2, in_chans, img_size, img_size),),
-                checkpoint=checkpoint)
+                options=self.arch_args, checkpoint=checkpoint)
             if self.holds_first:
                 self.patch_embed = col_nn.PatchEmbedding(img_size, patch_size, in_chans, hidden)
                 self.drop = col_nn.Dropout(dropout)
@@ -52,6 +48,10 @@ class ViT(HFConvertible, StagedModel):
                 self.head = col_nn.Classifier(hidden, num_classes,
                                               weight_init=normal_init(init_std),
                                               bias_init=zeros_init)
+
+    @classmethod
+    def cost_sample(cls, args: dict) -> tuple:
+        return (torch.zeros(2, args['in_chans'], args['img_size'], args['img_size']),)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> 'ViT':

@@ -70,7 +70,7 @@ def _serial_losses(steps):
     from colossal_lite.job import build_model, parse_job
     from colossal_lite.config import load_config
     from model_zoo import GPTLMLoss
-    spec = parse_job(load_config({k: v for k, v in _tiny_namespace().items()}))
+    spec = parse_job(load_config({k: v for k, v in _tiny_namespace().items()}).settings.to_dict())
     torch.manual_seed(1024)                      # launch()'s default seed
     model = build_model(spec.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -361,7 +361,7 @@ optimizer = dict(type='adamw', lr=1e-2)
 def _train_the_launched_job(rank):
     from colossal_lite.context import global_context as gpc
     from colossal_lite.worker import train
-    return train(gpc.config)['losses']
+    return train(gpc.settings)['losses']
 
 
 def test_a_user_model_registered_by_an_import_trains_through_the_job_path(tmp_path):
@@ -370,7 +370,7 @@ def test_a_user_model_registered_by_an_import_trains_through_the_job_path(tmp_pa
     (tmp_path / 'user_models_for_cli_test.py').write_text(USER_MODELS)
     cfg, layout, spec = cli.check_job(_write(tmp_path, USER_JOB), 2, None)
     assert (spec.kind, spec.options['hidden'], layout.data) == ('tiny_lm', 12, 2)
-    losses = run_distributed(_train_the_launched_job, 2, dict(cfg), timeout=240)
+    losses = run_distributed(_train_the_launched_job, 2, cfg.to_dict(), timeout=240)
     assert losses[0] == losses[1]
 
     from colossal_lite.data import DataParallelLoader, text_datasets

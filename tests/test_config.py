@@ -123,7 +123,7 @@ def test_load_config_parses_every_section_once_into_frozen_settings():
 @pytest.mark.parametrize('config, message', [
     (dict(num_microbatches=2, gradient_accumulation=4),
      "'num_microbatches' = 2 and its alias 'gradient_accumulation' = 4 differ"),
-    (dict(gradient_handler=dict(bucket_mb=0)), "'gradient_handler.bucket_mb' must be a positive number, got 0"),
+    (dict(gradient_handler=dict(bucket_mb=0)), "'gradient_handler.bucket_mb' must be a positive finite number, got 0"),
     (dict(gradient_handler=dict(buckt_mb=1)), "did you mean 'bucket_mb'"),
     (dict(gradient_handler=dict(overlap='yes')), "'gradient_handler.overlap' must be True or False"),
     (dict(gradient_handler=[1]), "'gradient_handler' must be a dict"),
@@ -148,7 +148,7 @@ def test_the_job_section_is_parsed_on_first_read():
     with pytest.raises(ConfigError, match="'imports' must be a list of module names"):
         load_config(dict(imports='model_zoo', model=dict(type='gpt'))).settings.job
     spec = load_config(dict(model=dict(type='gpt', layers=1), data=dict(type='shakespeare'))).settings.job
-    assert (spec.kind, spec.options['layers'], spec.options['hidden'], spec.data['seq_len']) == \
+    assert (spec.kind, spec.options['layers'], spec.options['hidden'], spec.data.seq_len) == \
         ('gpt', 1, 32, 64)
     with pytest.raises(ConfigError, match="'model.vocab_size' = 100 must be at least 256"):
         load_config(dict(model=dict(type='gpt', vocab_size=100), data=dict(type='shakespeare'))).settings.job

@@ -250,35 +250,35 @@ def _train_job_and_save(rank, config_path, ckpt, steps):
     from colossal_lite.job import build_criterion, build_data, build_model, build_optimizer
     from colossal_lite.trainer import Trainer
     from colossal_lite.trainer import hooks as H
-    spec = gpc.config.settings.job
+    spec = gpc.settings.job
     model = build_model(spec)
     train_dl, test_dl, _ = build_data(spec, gpc.device)
     engine, train_dl, test_dl, _ = clt.initialize(model, build_optimizer(spec, model),
                                                   build_criterion(spec), train_dl, test_dl)
     Trainer(engine).fit(train_dl, epochs=1, max_steps=steps, hooks=[H.LossHook()])
     hooks = [H.LossHook()] + ([] if spec.is_text else [H.AccuracyHook()])
-    batches = spec.train['eval_batches'] if spec.is_text else None
+    batches = spec.train.eval_batches if spec.is_text else None
     metrics = Trainer(engine).evaluate(itertools.islice(test_dl, batches), hooks=hooks)
-    checkpoint.save(ckpt, engine, extra=job_extra(config_path))
+    checkpoint.save(ckpt, engine, extra=job_extra(gpc.settings, config_path))
     return H.test_metrics(metrics)
 
 
 def _job_checkpoint(tmp_path, text, config, world, name):
     """(checkpoint dir, the training run's test metrics) of a job trained under ``config``."""
-    from colossal_lite.checkpoint.job import job_extra
+    from colossal_lite.config import load_config
     path = tmp_path / f'{name}.py'
     path.write_text(text)
     ckpt = str(tmp_path / f'{name}_ckpt')
-    cfg = dict(job_extra(str(path))['config'], **config)
+    cfg = dict(load_config(str(path)).settings.to_dict(), **config)
     metrics = run_distributed(_train_job_and_save, world, cfg, str(path), ckpt, 3, timeout=300)
     return ckpt, metrics[0]
 
 
 def _loaded(ckpt):
     """The checkpoint's job model built serially in this process, its weights loaded."""
-    from colossal_lite.checkpoint.job import job_config
+    from colossal_lite.checkpoint.job import job_settings
     from colossal_lite.job import build_model
-    model = build_model(job_config(ckpt).settings.job).eval()
+    model = build_model(job_settings(ckpt).job).eval()
     checkpoint.load_model(ckpt, model)
     return model
 

@@ -3,6 +3,8 @@
 (``parallel.pipeline.partition=[n_0, ..., n_{S-1}]``)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -123,8 +125,7 @@ def test_parent_check_rejects_a_cut_that_misses_the_layer_count():
         data=dict(type='shakespeare', seq_len=16), train=dict(global_batch_size=4))).settings
     layout = settings.layout.with_world_size(2)
     with pytest.raises(ConfigError) as err:
-        check_layout(settings.job, layout, settings.pipeline.stages,
-                     settings.pipeline.num_microbatches, settings.pipeline.partition)
+        check_layout(settings.job, layout, settings.pipeline)
     assert ("'parallel.pipeline.partition' = [2, 1] must sum to 'model.layers' = 4"
             in str(err.value))
-    check_layout(settings.job, layout, 2, 2, (3, 1))  # a cut that sums passes
+    check_layout(settings.job, layout, replace(settings.pipeline, partition=(3, 1)))  # sums

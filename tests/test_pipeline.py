@@ -261,18 +261,27 @@ def test_trainer_metrics_equal_serial_on_every_rank(world, pipeline, tensor):
 
 
 # ------------------------------------------------------------------ partitioning
-def _stage_sizes(cls, partition, size=4, **overrides):
-    from colossal_lite.config import Config, parse_parallel
+def _stage_sizes(cls, partition, size=4, name='tiny', **overrides):
+    """Each described rank's block counts, building ``cls`` preset ``name`` on meta; under
+    ``partition='cost'`` after the explicit step (``resolve_partition``, once per rank)."""
+    from colossal_lite.config import PipelineSettings, parse_parallel
     from colossal_lite.context import ParallelContext, use_context
+    from colossal_lite.pipeline import resolve_partition
+    from model_zoo import BERT_PRESETS, GPT_PRESETS, VIT_PRESETS
+    from model_zoo.blocks import preset_config
+    presets = {'GPT': GPT_PRESETS, 'BERT': BERT_PRESETS, 'ViT': VIT_PRESETS}[cls.__name__]
+    options = preset_config(presets, name, overrides, cls.__name__)
     layout = parse_parallel(dict(pipeline=size)).with_world_size(size)
-    cfg = Config(dict(parallel=dict(pipeline=dict(size=size, partition=partition)),
-                      num_microbatches=size))
-    sizes = []
+    pipeline = PipelineSettings(size=size, partition=partition, num_microbatches=size)
+    sizes, cuts = [], set()
     for rank in range(size):
-        ctx = ParallelContext.describe(layout, rank)
-        ctx.config = cfg
-        with use_context(ctx), torch.device('meta'):
-            sizes.append([len(s.layers) for s in cls.from_preset(**overrides).stages])
+        with use_context(ParallelContext.describe(layout, rank, pipeline)):
+            cuts.add(resolve_partition(cls, **options))
+            with torch.device('meta'):
+                sizes.append([len(s.layers) for s in cls(**options).stages])
+    assert len(cuts) == 1       # every rank cuts alike (None: nothing to resolve)
+    if partition == 'cost':
+        assert cuts == {tuple(s[0] for s in sizes)}
     return sizes
 
 
@@ -303,6 +312,39 @@ def test_cost_partition_covers_every_layer_once():
     from model_zoo import ViT
     sizes = [s[0] for s in _stage_sizes(ViT, 'cost', name='tiny', layers=8)]
     assert sum(sizes) == 8 and min(sizes) >= 1
+
+
+def test_cost_partition_is_resolved_before_the_build_never_inside_it(monkeypatch):
+    """partition='cost': building without the explicit step raises, naming it; the step
+    times the parts once per process and arguments (model_zoo.blocks._MEASURED); the
+    constructor afterwards neither times nor recomputes the cut."""
+    from colossal_lite.config import PipelineSettings, parse_parallel
+    from colossal_lite.context import ParallelContext, use_context
+    from colossal_lite.pipeline import resolve_partition, stages
+    from model_zoo import GPT, GPT_PRESETS
+    from model_zoo.blocks import preset_config
+    options = preset_config(GPT_PRESETS, 'tiny', dict(layers=6), 'GPT')
+    layout = parse_parallel(dict(pipeline=2)).with_world_size(2)
+    ctx = ParallelContext.describe(layout, 1, PipelineSettings(size=2, partition='cost',
+                                                               num_microbatches=2))
+    with use_context(ctx), torch.device('meta'):
+        with pytest.raises(ValueError, match=r'call colossal_lite\.pipeline\.resolve_partition'):
+            GPT(**options)
+    with use_context(ctx):
+        cut = resolve_partition(GPT, **options)
+        assert sum(cut) == 6 and len(cut) == 2
+        timed = []
+        import model_zoo.blocks
+        for module in (stages, model_zoo.blocks):
+            monkeypatch.setattr(module, 'measure_part_costs', lambda *a, **k: timed.append(a))
+        monkeypatch.setattr(stages, 'balanced_cut', lambda *a, **k: timed.append(a))
+        assert resolve_partition(GPT, **dict(options, dropout=0.3)) == cut   # untimed option
+        with torch.device('meta'):
+            model = GPT(**options)
+        assert [len(s.layers) for s in model.stages] == [cut[1]] and not timed
+        # a model of other sizes is another cut: not resolved yet
+        with pytest.raises(ValueError, match='resolve_partition'), torch.device('meta'):
+            GPT(**dict(options, hidden=64))
 
 
 # ------------------------------------------------------------------ user models

@@ -30,7 +30,7 @@ from colossal_lite.auto.model_spec import model_shape
 from colossal_lite.auto.profile import fit_alpha_beta
 from colossal_lite.auto.search import (bmw_partition, divisors, dp_layers, exhaustive_layers,
                                        job_spec, layouts, search, tensor_options)
-from colossal_lite.config import ParallelLayout, load_config, parse_parallel
+from colossal_lite.config import ParallelLayout, PipelineSettings, load_config, parse_parallel
 from colossal_lite.context import ParallelContext, use_context
 from colossal_lite.pipeline.partition import uniform_cut
 from colossal_lite.testing.memory import live_tensor_bytes
@@ -331,7 +331,7 @@ def test_layouts_are_exactly_those_train_accepts():
             for mode, depth in tensor_options(t):
                 layout = ParallelLayout(p, t, mode, depth, 8 // p // t)
                 try:
-                    check_layout(spec, layout, p, 1)
+                    check_layout(spec, layout, PipelineSettings(size=p))
                 except ConfigError:
                     continue
                 accepted.add(layout)
@@ -348,7 +348,7 @@ def test_plan_config_loads_and_passes_check_layout():
     cfg = load_config(result.config)
     s = cfg.settings
     layout = s.layout.with_world_size(8)
-    check_layout(s.job, layout, s.pipeline.stages, s.pipeline.num_microbatches)
+    check_layout(s.job, layout, s.pipeline)
     cand = result.estimate.candidate
     assert (layout.pipeline, layout.tensor, layout.mode, layout.data) == (
         cand.layout.pipeline, cand.layout.tensor, cand.layout.mode, cand.layout.data)
@@ -402,7 +402,7 @@ def test_cli_plan_writes_a_train_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert 'chosen:' in out and 'runners-up:' in out
     cfg = load_config(str(path))
-    assert cfg.settings.job.kind == 'gpt' and cfg.settings.job.train['global_batch_size'] == 16
+    assert cfg.settings.job.kind == 'gpt' and cfg.settings.job.train.global_batch_size == 16
     assert main(['plan', '--model', 'nonexistent', '--devices', '4']) == 2
     assert main(['plan', '--model', 'tiny', '--devices', '4']) == 2   # gpt, bert and vit have it
     assert "write 'kind:preset'" in capsys.readouterr().err

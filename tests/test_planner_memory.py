@@ -137,7 +137,7 @@ def test_zero_bubble_peak_state_is_reached_in_the_generated_order():
     of them waiting for W -- is a state of the runtime's ZB-H1 order on every rank, and no
     state holds or waits for more (P = 2..8, M = P..3P)."""
     from colossal_lite.auto.memory import zero_bubble_peak_state
-    from colossal_lite.pipeline.schedules import B, F, W, PipeShape
+    from colossal_lite.pipeline.actions import B, F, W, PipeShape
     from colossal_lite.pipeline.zero_bubble import zero_bubble_h1
     for p in range(2, 9):
         for m in range(p, 3 * p + 1):

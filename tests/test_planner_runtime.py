@@ -53,7 +53,7 @@ def test_the_plan_carries_the_bmw_cut_and_the_per_block_checkpoint_set(planned):
 def _train_job(rank, steps):
     from colossal_lite.context import global_context as gpc
     from colossal_lite.worker import train
-    return train(gpc.config, gpc.config.settings.job.with_steps(steps))['losses']
+    return train(gpc.settings, gpc.settings.job.with_steps(steps))['losses']
 
 
 def test_the_plan_passes_the_parent_checks_and_trains_like_serial(planned, tmp_path):
@@ -64,7 +64,7 @@ def test_the_plan_passes_the_parent_checks_and_trains_like_serial(planned, tmp_p
     path.write_text(dataclasses.replace(planned, config=config).to_py())
     cfg, layout, spec = cli.check_job(str(path), 4, 2)   # load_config + check_layout + data
     assert (layout.pipeline, spec.options['checkpoint']) == (4, config['model']['checkpoint'])
-    losses = run_distributed(_train_job, 4, dict(cfg), 2, timeout=400)
+    losses = run_distributed(_train_job, 4, cfg.to_dict(), 2, timeout=400)
     serial_cfg = dict(config, parallel=dict(data=1))
     serial_cfg['model'] = {k: v for k, v in config['model'].items() if k != 'checkpoint'}
     load_config(serial_cfg)

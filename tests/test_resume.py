@@ -147,15 +147,15 @@ def _job(tmp_path, name, layout, ckpt):
     text, world = layout
     path = tmp_path / f'{name}.py'
     path.write_text(JOB.format(ckpt=str(ckpt)) + text)
-    cfg, _, _ = cli.check_job(str(path), world, None)
-    return str(path), dict(cfg), world
+    settings, _, _ = cli.check_job(str(path), world, None)
+    return str(path), settings.to_dict(), world
 
 
 def _train_job(rank, config_path, steps, resume=None):
     from colossal_lite.context import global_context as gpc
     from colossal_lite.worker import train
-    spec = gpc.config.settings.job.with_steps(steps)
-    return train(gpc.config, spec, resume=resume, config_path=config_path)['losses']
+    spec = gpc.settings.job.with_steps(steps)
+    return train(gpc.settings, spec, resume=resume, config_path=config_path)['losses']
 
 
 def _run(job, steps, resume=None):

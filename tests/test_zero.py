@@ -268,18 +268,20 @@ POISONED = 'blocks.0.mlp.fc1.weight'
 def _overflow_worker(rank, init, batch, how):
     from colossal_lite.amp import TorchAmp
     from colossal_lite.engine import Engine
+    from colossal_lite.config.sections import AmpSettings, parse_amp
     from colossal_lite.zero.low_level import build_low_level_zero
     torch.manual_seed(1)
     model = build()
     model.load_state_dict(init)
     settings = parse_zero(dict(stage=2, bucket_mb=BUCKET_MB))
     if how == 'torch':  # the GradScaler path (fp16 on CUDA), forced on CPU
-        amp, handler = build_low_level_zero(settings, None, model, optimizer(model.parameters()))
+        amp, handler = build_low_level_zero(settings, AmpSettings(), model,
+                                            optimizer(model.parameters()))
         amp = TorchAmp(model, amp.optimizer, use_scaler=True,
                        scaler_kwargs=dict(init_scale=2.0 ** 8))
     else:
         amp, handler = build_low_level_zero(
-            settings, dict(mode='naive', initial_scale=2.0 ** 8, hysteresis=1), model,
+            settings, parse_amp(dict(mode='naive', initial_scale=2.0 ** 8, hysteresis=1)), model,
             optimizer(model.parameters()))
     engine = Engine(model, amp.optimizer, GPTLMLoss(), gradient_handler=handler, amp=amp)
     poison = dict(model.named_parameters())[POISONED].register_hook(

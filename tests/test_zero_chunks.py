@@ -31,7 +31,7 @@ import torch
 
 import colossal_lite as clt
 import colossal_lite.nn as col_nn
-from colossal_lite.config import ConfigError
+from colossal_lite.config import ConfigError, load_config, parse_zero
 from colossal_lite.nn.optimizer import HybridAdam
 from colossal_lite.tensor import param_placement
 from colossal_lite.testing import (Trace, assert_close_dict, assert_matches_serial, engine_step,
@@ -40,7 +40,6 @@ from colossal_lite.testing import (Trace, assert_close_dict, assert_matches_seri
 from colossal_lite.zero.chunk import (DeviceBudgetExceeded, IllegalTransition, TensorState,
                                       building_into_chunks, packed_waste, search_chunk_size)
 from colossal_lite.zero.chunk.chunk import Chunk
-from colossal_lite.zero.low_level import check_zero
 from model_zoo import GPT, GPTLMLoss
 from tests.model_cases import make_case
 
@@ -405,7 +404,7 @@ def _built_into_chunks_worker(rank):
         torch.manual_seed(1)
 
         def build_and_shard():
-            with building_into_chunks(dict(zero=zero)) if how == 'meta' else nullcontext():
+            with building_into_chunks(parse_zero(zero)) if how == 'meta' else nullcontext():
                 model = build()
             engine, *_ = clt.initialize(model, make_optimizer(model.parameters()), GPTLMLoss(),
                                         config=dict(zero=zero))
@@ -766,15 +765,15 @@ def test_chunk_size_search_picks_least_waste():
 
 def test_stage3_combinations_not_built_are_named():
     with pytest.raises(NotImplementedError, match="'apex'"):
-        check_zero(dict(zero=dict(stage=3), fp16=dict(mode='apex')))
+        load_config(dict(zero=dict(stage=3), fp16=dict(mode='apex')))
     with pytest.raises(NotImplementedError, match="'zero_bubble' with chunks = 1"):
-        check_zero(dict(zero=dict(stage=3), num_microbatches=2,
-                        parallel=dict(pipeline=dict(size=2, schedule='zero_bubble'))))
+        load_config(dict(zero=dict(stage=3), num_microbatches=2,
+                         parallel=dict(pipeline=dict(size=2, schedule='zero_bubble'))))
     with pytest.raises(NotImplementedError, match="'interleaved' with chunks = 2"):
-        check_zero(dict(zero=dict(stage=3), num_microbatches=4,
-                        parallel=dict(pipeline=dict(size=2, chunks=2))))
+        load_config(dict(zero=dict(stage=3), num_microbatches=4,
+                         parallel=dict(pipeline=dict(size=2, chunks=2))))
     with pytest.raises(ConfigError, match='placement'):
-        check_zero(dict(zero=dict(stage=3, placement='gpu')))
+        load_config(dict(zero=dict(stage=3, placement='gpu')))
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

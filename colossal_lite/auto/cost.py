@@ -54,11 +54,15 @@ from functools import lru_cache
 from typing import List, Optional, Sequence, Tuple
 
 from .. import formulas
+from ..config import ParallelLayout
+from ..pipeline.partition import cut
+from ..zero.chunk.search import search_chunk_size
+from ..config.schedules import SCHEDULES
 from . import offload
 from .cluster import ClusterProfile
 from .memory import (DP_BUCKET_BYTES, RNG_STATE_BYTES, ZERO_BUCKET_BYTES, block_kept,
                      mlp_gradient_bytes, rank_memory)
-from .model_spec import ModelShape, layer_params
+from .model_spec import ModelShape, layer_params, tensor_numels
 from .profile import (family_block_seconds, family_entry, family_forward_share,
                       family_rest_seconds)
 
@@ -131,7 +135,6 @@ class Estimate:
 def stage_ranges(shape: ModelShape, stages: int, partition: str, layout=None) -> List[range]:
     """The block ranges the runtime cuts for ``partition`` ('uniform' or 'parameters':
     ``pipeline/partition.cut`` with ``transformer_weights``' parameter counts)."""
-    from ..pipeline.partition import cut
     if stages == 1:
         return [range(shape.layers)]
     if partition == 'uniform':
@@ -139,14 +142,13 @@ def stage_ranges(shape: ModelShape, stages: int, partition: str, layout=None) ->
     if partition != 'parameters':
         raise NotImplementedError(f"the planner predicts partitions 'uniform' and 'parameters', "
                                   f"got {partition!r}")
-    from ..config import ParallelLayout
     serial = ParallelLayout(1, 1, None, 1, 1)
     h, r = shape.hidden, shape.mlp_ratio
     block = (4 + 2 * r) * h * h + (9 + r) * h
     first = layer_params(shape.first_layers(), None, serial)
     last = layer_params(shape.last_layers(False), None, serial)
-    if shape.kind != 'vit':  # the tied head counted as model_zoo counts it (its vocab matrix)
-        last += shape.opts['vocab_size'] * h
+    if shape.traits.tied_head:  # the tied head counted as model_zoo counts it (its vocab matrix)
+        last += shape.vocab * h
     return cut('parameters', shape.layers, stages, block, first, last)
 
 
@@ -176,16 +178,8 @@ _RANK_PARTS: dict = {}
 
 def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
     """Micro-batches whose activations a pipeline rank holds at its peak, in whole-stage units
-    (docs/pipeline.md's table; interleaved chunk micro-batches count 1/V)."""
-    if p == 1:
-        return 1.0
-    if schedule == 'gpipe':
-        return float(m)
-    if schedule == 'interleaved':
-        return min(m * v, (p - 1 - rank) * 2 + (v - 1) * p + 1) / v
-    if schedule == 'zero_bubble':
-        return float(min(m, p))
-    return float(min(m, p - rank))
+    (the schedule table, ``config/schedules.py``; interleaved chunk micro-batches count 1/V)."""
+    return SCHEDULES[schedule].in_flight(p, m, v, rank)
 
 
 def model_state_bytes(params: float, zero: int, data: int) -> float:
@@ -316,15 +310,8 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
                                 after_backward=m > held, schedule=cand.schedule, rank=rank))
     stage_time = [f + b for f, b in zip(fwd, bwd)]
     slow = max(stage_time)
-    if p == 1:
-        pipe = m * slow
-    else:
-        if cand.schedule == 'interleaved':
-            pipe = (m + (p - 1) / v) * slow
-        elif cand.schedule == 'zero_bubble':
-            pipe = m * slow + (p - 1) * max(fwd)
-        else:
-            pipe = (m + p - 1) * slow
+    pipe = SCHEDULES[cand.schedule].pipeline_time(p, m, v, slow, max(fwd))  # the table's bubble
+    if p > 1:
         # oversubscribed cores: ranks waiting in the bubble free their cores, so the
         # schedule's path runs at the alone speed, bounded by the cores' total work
         pipe = max(m * slow, pipe / oversubscription(cluster))
@@ -427,8 +414,8 @@ def optimizer_time(cluster: ClusterProfile, shape: ModelShape, params_rank: Sequ
 def part_tensors(shape: ModelShape, pipelined: bool) -> Tuple[int, int, int]:
     """Parameter tensors of a block, of the first part and of the last part (a tensor
     parallel rank holds a shard of each: the same count)."""
-    return (len(_tensor_numels(shape.block_layers())), len(_tensor_numels(shape.first_layers())),
-            len(_tensor_numels(shape.last_layers(pipelined))))
+    return (len(tensor_numels(shape.block_layers())), len(tensor_numels(shape.first_layers())),
+            len(tensor_numels(shape.last_layers(pipelined))))
 
 
 def zero3_exposed(cluster: ClusterProfile, layout, microbatches: int, nbytes: float,
@@ -451,36 +438,13 @@ def zero3_exposed(cluster: ClusterProfile, layout, microbatches: int, nbytes: fl
     return scatter + microbatches * (exposed(forward) + exposed(backward))
 
 
-def _tensor_numels(layers) -> List[int]:
-    """Serial elements of each parameter tensor of ``layers`` (model_spec's kinds), in order."""
-    out: List[int] = []
-    for kind, a in layers:
-        if kind == 'linear':
-            out += [a['fin'] * a['fout']] + ([a['fout']] if a['bias'] else [])
-        elif kind == 'layernorm':
-            out += [a['h'], a['h']]
-        elif kind in ('embedding', 'vocab_embedding'):
-            out.append(a['v'] * a['h'])
-        elif kind in ('vocab_classifier', 'classifier'):
-            out += (([] if a.get('tied') else [a['c'] * a['h']])
-                    + ([a['c']] if a.get('bias') else []))
-        elif kind == 'patch_embedding':
-            out += [a['h'] * a['chans'] * a['patch'] ** 2, a['h'], a['h'], a['tokens'] * a['h']]
-        else:
-            raise NotImplementedError(f'the chunk count knows no layer kind {kind!r}')
-    return out
-
-
 @lru_cache(maxsize=256)
 def zero3_chunks(shape: ModelShape, data: int) -> int:
     """Chunks chunk ZeRO (ZeRO-3) packs the model's parameters into: the runtime's
     ``search_chunk_size`` over the parameter tensors (serial sizes, in model order: 1D splits
     them about evenly, which keeps the count) for a data group of ``data``. Each chunk is one
     all_gather per forward and per backward and one reduce_scatter per micro-step."""
-    from ..zero.chunk.search import search_chunk_size
-    numels = (_tensor_numels(shape.first_layers()) + _tensor_numels(shape.block_layers())
-              * shape.layers + _tensor_numels(shape.last_layers(False)))
-    return search_chunk_size(numels, dp_sizes=(data,)).chunks
+    return search_chunk_size(shape.model_numels(), dp_sizes=(data,)).chunks
 
 
 def _gradient_sync(cluster: ClusterProfile, layout, cand: Candidate, params: float,

@@ -17,7 +17,8 @@ V the head's outputs per token):
   ``12Ψ`` (none), ``4Ψ + 12Ψ/D`` (ZeRO-1/2: full weights, sharded fp32 master and
   moments), ``12Ψ/D`` (ZeRO-3);
 * ``activations``: per block and in-flight micro-batch, what autograd saves
-  (``n · ModelShape.block_values_per_token``) plus GPT's causal mask ``s²`` and, under
+  (``n · ModelShape.block_values_per_token``) plus a saved causal mask ``s²``
+  (``traits.causal_mask``) and, under
   ZeRO-3, the q/k/v weight and bias joined by a copy for the fused projection
   ``3(h² + h)/t_w``; checkpointed, the block input ``n h`` (/t unless 1D) and the CPU RNG
   state it saves; zero bubble: ``min(M, P) · kept + min(M, r + 1) · w_stash`` on rank r
@@ -27,8 +28,8 @@ V the head's outputs per token):
 * ``head``: the largest transient at the start of a backward: on the last stage three
   logits-sized buffers ``3 n V / t_v`` (the log-softmax -- vocab-parallel: the shifted
   logits, exp and softmax -- and the two backward gradients) and the final LayerNorm's
-  input, output and statistics ``n (2h + 2)`` (BERT ``+ n (3h + 2)``: the MLM
-  transform's dense, GELU and LayerNorm outputs; /t outside none/1D/sequence; 2D/2.5D:
+  input, output and statistics ``n (2h + 2)`` (a head transform, ``traits.head_transform``:
+  ``+ n (3h + 2)``, its dense, GELU and LayerNorm outputs; /t outside none/1D/sequence; 2D/2.5D:
   the classifier's SUMMA backward blocks; 3D, when larger than the three logits buffers:
   the logits' gradient ``n V / t`` and the classifier's ``cube(n, h, V)``); in a block's
   backward, the gradients of its MLP hidden ``2 n r h`` (/t but for none; 2D/2.5D: fc1's
@@ -65,6 +66,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Tuple
 
+from ..config.schedules import SCHEDULES, w_waiting
 from .model_spec import ModelShape
 
 DP_BUCKET_BYTES = 25 * 2 ** 20       # engine.gradient_handler.DEFAULT_BUCKET_BYTES
@@ -112,9 +114,10 @@ def states_bytes(params: float, zero: int, data: int, elem: int = 4) -> float:
 
 
 def causal_mask_bytes(shape: ModelShape, layout, elem: int = 4) -> float:
-    """GPT's causal mask ``s^2``, built by each block's attention and saved with it
-    (batch-independent; sequence mode masks per ring step instead)."""
-    return elem * shape.seq ** 2 if shape.kind == 'gpt' and layout.mode != 'sequence' else 0.0
+    """The causal mask ``s^2`` each block's attention builds and saves, where
+    ``traits.causal_mask`` (batch-independent; sequence mode masks per ring step instead)."""
+    return (elem * shape.seq ** 2 if shape.traits.causal_mask and layout.mode != 'sequence'
+            else 0.0)
 
 
 def qkv_copy_bytes(shape: ModelShape, layout, elem: int = 4) -> float:
@@ -141,17 +144,17 @@ def head_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
     """The last stage's loss-head buffers at the start of backward: three logits-sized
     buffers (the fourth, the logits, is the schedule's kept output or freed when
     pipelined; 3D: or, when larger, the classifier's :func:`cube_backward_bytes` next to
-    the logits' gradient), the final LayerNorm's input, output and statistics, BERT's MLM
+    the logits' gradient), the final LayerNorm's input, output and statistics, the head
     transform, and under 2D/2.5D the classifier's SUMMA backward blocks (module doc)."""
     t = layout.tensor if layout.mode else 1
     t_v = t if layout.mode not in (None, 'sequence') else 1
     seq_split = t if layout.mode == 'sequence' else 1
     tokens = micro * shape.seq / seq_split
-    head_tokens = micro * (shape.seq / seq_split if shape.kind != 'vit' else 1)
+    head_tokens = micro * (shape.seq / seq_split if shape.traits.head_per_token else 1)
     ln_split = 1 if layout.mode in (None, '1d', 'sequence') else t
     per_token = 2 * shape.hidden + 2
-    if shape.kind == 'bert':  # the MLM transform: dense and GELU outputs, LayerNorm output
-        per_token += 3 * shape.hidden + 2   # and statistics (its input is the GELU output)
+    if shape.traits.head_transform:  # dense and GELU outputs, LayerNorm output and
+        per_token += 3 * shape.hidden + 2   # statistics (its input is the GELU output)
     d_logits = head_tokens * shape.outputs / t_v
     logits = 3 * d_logits
     if layout.mode in ('2d', '2.5d'):  # the classifier's SUMMA backward: the broadcast dY
@@ -217,8 +220,10 @@ def zero_bubble_peak_state(ranks: int, microbatches: int, rank: int) -> Tuple[in
     ZB-H1 order (``pipeline.zero_bubble``; M >= P): a micro-batch is held from its F to its
     W and waits with its W stash from its B to its W; just before its first W a rank holds
     ``min(M, P)`` of which ``min(M, r + 1)`` wait, both maxima at once (tested against the
-    generated orders)."""
-    return min(microbatches, ranks), min(microbatches, rank + 1)
+    generated orders; the schedule table's ``in_flight`` and ``w_waiting``)."""
+    zb = SCHEDULES['zero_bubble']
+    return (int(zb.in_flight(ranks, microbatches, 1, rank)),
+            w_waiting(zb.name, ranks, microbatches, rank))
 
 
 def boundary_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
@@ -233,7 +238,7 @@ def output_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> floa
     t = layout.tensor if layout.mode else 1
     t_v = t if layout.mode not in (None, 'sequence') else 1
     seq_split = t if layout.mode == 'sequence' else 1
-    head_tokens = micro * (shape.seq / seq_split if shape.kind != 'vit' else 1)
+    head_tokens = micro * (shape.seq / seq_split if shape.traits.head_per_token else 1)
     return elem * head_tokens * shape.outputs / t_v
 
 
@@ -264,7 +269,7 @@ def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: 
         kept += qkv
     if checkpoint:  # each block keeps its input and the CPU RNG state for its recompute
         activations = held * blocks * block_input
-    elif schedule == 'zero_bubble' and layout.pipeline > 1:
+    elif SCHEDULES[schedule].split_backward and layout.pipeline > 1:
         held_zb, waiting = zero_bubble_peak_state(layout.pipeline, m, rank)
         activations = blocks * (held_zb * kept + (waiting * stash if rank else 0.0))
     else:

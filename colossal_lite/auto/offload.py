@@ -43,7 +43,10 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from ..zero.chunk.search import search_chunk_size
 from .cluster import ClusterProfile
+from .memory import ZERO_BUCKET_BYTES
+from .zero_stages import runtime_zero_stages
 
 DEFAULT_HOST_LINK = {'latency_s': 1e-5, 'bandwidth_Bps': 25e9}   # PCIe 4.0 x16, one direction
 STATIC_FRACTIONS = (0.25, 0.5, 0.75)    # the 'static' device fractions the search tries
@@ -101,17 +104,13 @@ def bucket_shards(numels: Sequence[int], data: int, bucket_bytes: int, elem: int
 def model_numels(shape, tensor: int = 1) -> List[int]:
     """The model's parameter tensors in model (= first-use) order, serial sizes / t (1D splits
     each weight about evenly: an estimate of the local shards; exact for t = 1)."""
-    from .cost import _tensor_numels
-    numels = (_tensor_numels(shape.first_layers()) + _tensor_numels(shape.block_layers())
-              * shape.layers + _tensor_numels(shape.last_layers(False)))
-    return [-(-n // tensor) for n in numels]
+    return [-(-n // tensor) for n in shape.model_numels()]
 
 
 @lru_cache(maxsize=256)
 def chunk_shards(shape, data: int, tensor: int = 1) -> Tuple[int, ...]:
     """The chunk layout the runtime builds with ``chunk_size_mb=None``: the searched capacity
     (``search_chunk_size``, as ``cost.zero3_chunks``), tensors packed in model order."""
-    from ..zero.chunk.search import search_chunk_size
     numels = model_numels(shape, tensor)
     return pack_shards(numels, search_chunk_size(numels, dp_sizes=(data,)).capacity, data)
 
@@ -127,7 +126,7 @@ def zero3_offload(shards: Sequence[int], data: int, placement: str, microbatches
                   elem: int = 4) -> Offload:
     """The device ledger of chunk ZeRO over one step (module doc) for chunks of ``shards``
     elements per rank in first-use order; ``tied``: the head reuses the first chunk's
-    embedding (GPT, BERT)."""
+    embedding (``traits.tied_head``)."""
     n = len(shards)
     if placement == 'auto':
         raise NotImplementedError("placement 'auto' caches what fits under the limit minus the "
@@ -197,8 +196,7 @@ def offload_only_stages(layout) -> Tuple[int, ...]:
     """ZeRO stages the search costs offloaded only: with one data replica ZeRO shards
     nothing (its device placement holds what no ZeRO holds, and is slower), but moving the
     states to the host is what fits a model larger than the device (Colossal-AI's GPT-2 on
-    one GPU): the stages the runtime runs there (``search.runtime_zero_stages``)."""
-    from .search import runtime_zero_stages
+    one GPU): the stages the runtime runs there (``zero_stages.runtime_zero_stages``)."""
     return tuple(z for z in runtime_zero_stages(layout) if z) if layout.data == 1 else ()
 
 
@@ -223,20 +221,18 @@ def apply(est, shape, cluster: ClusterProfile, elem: int = 4):
     device placement's ledger peak, plus this placement's; ZeRO-1/2: the fp32 states that
     left), the step time plus :func:`offload_time`; ``terms`` gains ``offload`` (s),
     ``host_bytes`` and ``offload_detail`` (the busiest rank's :class:`Offload`)."""
-    from .cost import Estimate
     cand = est.candidate
     l = cand.layout
     memory, detail = list(est.memory), None
     if cand.zero == 3:
         shards = chunk_shards(shape, l.data, l.tensor if l.mode else 1)
-        tied = shape.kind in ('gpt', 'bert')
+        tied = shape.traits.tied_head
         device = zero3_offload(shards, l.data, 'device', cand.microbatches, tied=tied, elem=elem)
         detail = zero3_offload(shards, l.data, cand.placement, cand.microbatches,
                                cand.device_fraction, tied=tied, elem=elem)
         memory = [m - device.peak + detail.peak for m in memory]
         details = [detail]
     else:
-        from .memory import ZERO_BUCKET_BYTES
         details = []
         for r, params in enumerate(est.terms['params']):
             buckets = max(1, -(-int(params) * elem // ZERO_BUCKET_BYTES))
@@ -251,7 +247,7 @@ def apply(est, shape, cluster: ClusterProfile, elem: int = 4):
     extra = max(offload_time(cluster, o) for o in details)
     terms = dict(est.terms, offload=extra, host_bytes=[o.host_bytes for o in details],
                  offload_detail=detail)
-    return Estimate(cand, est.step_time + extra, memory, est.stage_time, terms)
+    return replace(est, step_time=est.step_time + extra, memory=memory, terms=terms)
 
 
 def variants(est, shape, cluster: ClusterProfile, elem: int = 4) -> Iterator:

@@ -14,9 +14,11 @@ import pprint
 from dataclasses import dataclass, field, replace
 from typing import List, Optional
 
-from ..config import ConfigError
+from ..config import ConfigError, load_config
+from ..job import check_layout
+from ..models import get_model
 from .cluster import ClusterProfile, load_profile
-from .cost import Candidate, Estimate, block_memory, evaluate, stage_ranges
+from .cost import Candidate, Estimate, block_memory, evaluate, in_flight, stage_ranges
 from .model_spec import ModelShape, model_shape, resolve_model_name
 from .offload import is_offloaded
 from .search import SearchResult, bmw_partition, dp_layers, job_spec, search
@@ -108,46 +110,53 @@ def plan_config(shape: ModelShape, cand: Candidate, batch: int, partition=None,
             config['zero']['device_fraction'] = cand.device_fraction
         if cand.zero < 3 and cand.offload_optimizer:
             config['zero']['offload_optimizer'] = True
+    entry = get_model(shape.kind)
     model = dict(type=shape.kind, preset=shape.preset)
-    defaults = {}
-    if shape.preset is not None:
-        from ..models import get_model
-        defaults = dict(get_model(shape.kind).presets.get(shape.preset, {}))
+    defaults = dict(entry.presets.get(shape.preset, {})) if shape.preset is not None else {}
     model.update({k: v for k, v in shape.opts.items() if defaults.get(k, object()) != v})
     if checkpoint is not None:
         model['checkpoint'] = list(checkpoint)
     elif cand.checkpoint:
         model['checkpoint'] = True
     # the package that registered the model, so the config also runs without the entry point
-    from ..models import get_model
-    config['imports'] = [get_model(shape.kind).builder.__module__.split('.')[0]]
+    config['imports'] = [entry.builder.__module__.split('.')[0]]
     config['model'] = model
-    if shape.kind == 'gpt':
-        config['data'] = dict(type='shakespeare', seq_len=shape.seq)
-    elif shape.kind == 'vit' and all(shape.opts.get(k) == v for k, v in
-                                     dict(img_size=8, in_chans=1, num_classes=10).items()):
-        config['data'] = dict(type='digits')
+    data = bundled_data(shape, config['imports'], model, batch)
+    if data is not None:
+        config['data'] = data
     config['train'] = dict(global_batch_size=batch)
     return config
+
+
+def bundled_data(shape: ModelShape, imports, model: dict, batch: int) -> Optional[dict]:
+    """The ``data`` section of the bundled data set the model registered with (its entry's
+    ``data``; text: ``seq_len`` the plan's sequence), when the job accepts it for the
+    model's options (``settings.job``: e.g. an image set fixes the image size); else None."""
+    kind = get_model(shape.kind).data
+    if kind is None:
+        return None
+    data = dict(type=kind)
+    if shape.traits.inputs == 'tokens':
+        data['seq_len'] = shape.seq
+    try:
+        load_config(dict(imports=imports, model=model, data=data,
+                         train=dict(global_batch_size=batch))).settings.job
+    except ConfigError:
+        return None
+    return data
 
 
 def check_plan(shape: ModelShape, cand: Candidate, batch: int, **per_layer):
     """The checks ``colossal-lite train`` runs on the plan's config (``per_layer``: the
     ``partition`` / ``checkpoint`` of :func:`plan_config`): its typed sections
     (``load_config``), ``job.check_layout`` (size rules, batch splits, an explicit cut's sum
-    and a meta build of the model on rank 0 and the last rank) and
-    ``zero.low_level.check_zero`` (NotImplementedError for what ZeRO does not run)."""
-    from ..config import load_config
-    from ..job import check_layout
-    from ..zero.low_level import check_zero
+    and a meta build of the model on rank 0 and the last rank); ``load_config`` raises
+    NotImplementedError for what ZeRO does not run."""
     settings = load_config(plan_config(shape, cand, batch, **per_layer)).settings
     spec = job_spec(shape, batch)
     if per_layer.get('checkpoint') is not None:
         spec = replace(spec, options=dict(spec.options, checkpoint=per_layer['checkpoint']))
-    check_layout(spec, settings.layout.with_world_size(cand.layout.world_size),
-                 settings.pipeline.stages, settings.pipeline.num_microbatches,
-                 settings.pipeline.partition)
-    check_zero(settings.source)
+    check_layout(spec, settings.layout.with_world_size(cand.layout.world_size), settings.pipeline)
 
 
 def _why(est: Estimate, best: Estimate, budget: float) -> str:
@@ -207,7 +216,6 @@ def _checkpoint_dp(shape: ModelShape, cluster: ClusterProfile, cand: Candidate, 
     """Galvatron-BMW's per-stage DP (``dp_layers``) on each pipeline rank: the blocks to
     checkpoint that minimize its recompute time with its memory <= ``budget`` (none when the
     rank fits without); sorted serial indices, or None when some rank does not fit."""
-    from .cost import in_flight
     l = cand.layout
     micro = batch / l.data / cand.microbatches
     keep_ck, transient = block_memory(shape, l, micro, True)
@@ -271,14 +279,15 @@ def per_layer_choices(shape: ModelShape, cluster: ClusterProfile, best: Estimate
     return out
 
 
-def plan(model: str = 'gpt2-small', devices: int = 8, memory_gb: Optional[float] = None,
+def plan(model: str, devices: int = 8, memory_gb: Optional[float] = None,
          cluster=None, batch: int = 8, seq: Optional[int] = None, runners_up: int = 5,
          **model_overrides) -> Plan:
-    """The fastest executable plan (module doc). ``model``: a model_zoo preset
-    ('gpt2-small', 'bert-base', 'vit-base', ...) or 'kind:preset'; ``cluster``: None (the
-    shipped 'nvlink8'), a shipped name, a JSON path or a ClusterProfile; ``memory_gb``: the
-    budget per device (default: the profile's memory); ``batch``: the global batch;
-    ``seq``: the sequence length (default the model's ``max_positions``)."""
+    """The fastest executable plan (module doc). ``model``: a registered model's preset
+    (model_zoo's 'gpt2-small', 'bert-base', 'vit-base', ...) or 'kind:preset';
+    ``cluster``: None (the shipped 'nvlink8'), a shipped name, a JSON path or a
+    ClusterProfile; ``memory_gb``: the budget per device (default: the profile's memory);
+    ``batch``: the global batch; ``seq``: the sequence length (default the model's longest,
+    ``PlannerShape.seq``)."""
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f'devices must be a positive integer, got {devices!r}')
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:

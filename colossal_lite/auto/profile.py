@@ -217,25 +217,40 @@ def measure_adam(shapes: Sequence[Tuple[int, int]] = ADAM_SHAPES, repeats: int =
     return max(0.0, per_tensor), max(1e-15, per_elem)
 
 
-def _gpt(**options):
-    """The registered 'gpt' model (model_zoo's, found through the model registry)."""
+def profile_kind() -> str:
+    """The registered model whose blocks the profile times: the one entry registered with
+    ``profile=True`` (``colossal_lite.models.ModelEntry``; entry points loaded first)."""
+    from ..models import get_model, load_entry_points, registered_models
+    load_entry_points()
+    kinds = [k for k in registered_models() if get_model(k).profile]
+    if len(kinds) != 1:
+        raise ValueError(f'the profile times the blocks of the one model registered with '
+                         f'profile=True; found {kinds or "none"}')
+    return kinds[0]
+
+
+def _profile_model(kind: str = None, **options):
+    """The profile's model (``kind``, default :func:`profile_kind`) built with ``options``."""
     from ..models import get_model
-    return get_model('gpt').builder(**options)
+    return get_model(kind or profile_kind()).builder(**options)
 
 
 def measure_block(hidden: int = 128, heads: int = 4, seq: int = 64,
-                  batches: Sequence[int] = BLOCK_BATCHES, repeats: int = 5, warmup: int = 2
-                  ) -> dict:
+                  batches: Sequence[int] = BLOCK_BATCHES, repeats: int = 5, warmup: int = 2,
+                  kind: str = None) -> dict:
     """Forward / backward seconds of one serial pre-LN block at each batch size (the fastest
     of ``repeats`` after ``warmup``: on a shared machine noise only adds time), and
     ``fit_alpha_beta`` of forward + backward against the FLOPs: ``overhead`` (seconds a
     block costs whatever its size: Python, dispatch, small kernels) and ``flops`` (the
-    rate of the FLOP-proportional part)."""
+    rate of the FLOP-proportional part). ``kind``: the model whose block is timed (default
+    :func:`profile_kind`)."""
     from .model_spec import ModelShape
+    kind = kind or profile_kind()
     torch.manual_seed(0)
-    block = _gpt(vocab_size=256, max_positions=seq, hidden=hidden, heads=heads, layers=1,
-                 dropout=0.0).blocks['0']   # one pre-LN causal block of the registered GPT
-    shape = ModelShape('gpt', None, (('hidden', hidden), ('heads', heads), ('layers', 1)), seq)
+    model = _profile_model(kind, vocab_size=256, max_positions=seq, hidden=hidden, heads=heads,
+                           layers=1, dropout=0.0)
+    shape = ModelShape(kind, None, (('hidden', hidden), ('heads', heads), ('layers', 1)), seq)
+    block = getattr(model, shape.names.blocks)['0']   # its one block
     fwd, bwd, flop_counts = [], [], []
     for b in batches:
         x = torch.randn(b, seq, hidden, requires_grad=True)
@@ -258,6 +273,7 @@ def measure_block(hidden: int = 128, heads: int = 4, seq: int = 64,
 
 
 FAMILY_LAYOUTS = ((None, 1), ('1d', 2), ('1d', 4), ('2d', 4), ('sequence', 2), ('sequence', 4))
+# the profile model's options (ModelEntry.profile: the options such a model takes)
 FAMILY_MODEL = dict(vocab_size=256, max_positions=64, hidden=128, heads=4, dropout=0.0)
 FAMILY_HIDDENS = (64, 128)   # block widths timed: the cost model takes the nearest (log scale)
 FAMILY_BATCHES = (2, 4, 8, 16)   # samples per data replica (2D splits it by q = 2)
@@ -267,22 +283,23 @@ FAMILY_REPEATS = 11
 def _family_shape(hidden: int = FAMILY_MODEL['hidden']):
     """The ``ModelShape`` of one ``FAMILY_MODEL`` block at width ``hidden`` (s = 64)."""
     from .model_spec import ModelShape
-    return ModelShape('gpt', None, tuple(sorted(dict(FAMILY_MODEL, hidden=hidden,
-                                                     layers=1).items())), 64)
+    return ModelShape(profile_kind(), None,
+                      tuple(sorted(dict(FAMILY_MODEL, hidden=hidden, layers=1).items())), 64)
 
 
 def _time_family(rank: int, hiddens: Sequence[int], batches: Sequence[int], repeats: int
                  ) -> Dict[str, List[float]]:
-    """Forward + backward seconds of a 1- and a 2-block GPT (``FAMILY_MODEL`` at each of
-    ``hiddens``) built for the launched layout, per ``'hidden,layers,batch'`` (``batch``
-    samples per data replica): ``repeats`` timings after a warm-up, every rank stepping at
-    once after a barrier, the 1- and 2-block models alternated so that both see the same
-    load; ``'forward:hidden,layers,batch'`` the forward's share of the same runs. With a
-    data-parallel group (``gradient_handler.data_parallel_axis``) of 2 or more, each
-    backward is followed by one of the step's gradient syncs (``STEP_SYNC_OPS`` in turn)
-    over the model's gradient elements (``'elems:hidden,layers'``):
-    ``'sync:op:hidden,layers,batch'`` -> ``[backward end, sync end]`` per repeat, seconds
-    from the barrier; ``'sync_group'`` the group's size."""
+    """Forward + backward seconds of a 1- and a 2-block profile model (:func:`profile_kind`;
+    ``FAMILY_MODEL`` at each of ``hiddens``) built for the launched layout, per
+    ``'hidden,layers,batch'`` (``batch`` samples per data replica): ``repeats`` timings
+    after a warm-up, every rank stepping at once after a barrier, the 1- and 2-block models
+    alternated so that both see the same load; ``'forward:hidden,layers,batch'`` the
+    forward's share of the same runs. With a data-parallel group
+    (``gradient_handler.data_parallel_axis``) of 2 or more, each backward is followed by
+    one of the step's gradient syncs (``STEP_SYNC_OPS`` in turn) over the model's gradient
+    elements (``'elems:hidden,layers'``): ``'sync:op:hidden,layers,batch'`` ->
+    ``[backward end, sync end]`` per repeat, seconds from the barrier; ``'sync_group'`` the
+    group's size."""
     torch.set_num_threads(1)
     from .. import communication as comm
     from ..engine.gradient_handler import data_parallel_axis
@@ -290,7 +307,7 @@ def _time_family(rank: int, hiddens: Sequence[int], batches: Sequence[int], repe
     out: Dict[str, List[float]] = {'sync_group': axis.size}
     for hidden in hiddens:
         torch.manual_seed(0)
-        models = {layers: _gpt(layers=layers, **dict(FAMILY_MODEL, hidden=hidden))
+        models = {layers: _profile_model(layers=layers, **dict(FAMILY_MODEL, hidden=hidden))
                   for layers in (1, 2)}
         elems = {layers: sum(p.numel() for p in model.parameters()) // axis.size * axis.size
                  for layers, model in models.items()}

@@ -26,11 +26,16 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..config import ConfigError, ParallelLayout
-from ..families import family, integer_root
+from ..config.checks import integer_root
+from ..config.families import family
+from ..config.job import DataSection, JobSpec, ModelSection, TrainSection
+from ..job.checks import check_rule
+from ..models import SizeRule
 from . import offload
 from .cluster import ClusterProfile
 from .cost import Candidate, Estimate, evaluate_zero_stages, stage_ranges
 from .model_spec import ModelShape
+from .zero_stages import runtime_zero_stages
 
 SCHEDULES = ('1f1b', 'gpipe', 'zero_bubble', 'interleaved')
 
@@ -55,25 +60,24 @@ def tensor_options(t: int) -> List[Tuple[Optional[str], int]]:
 
 
 def job_spec(shape: ModelShape, batch: int):
-    """A ``job.JobSpec`` for the planner's model and batch (what ``check_layout`` reads)."""
-    from ..job import JobSpec
-    data = {'type': 'digits'} if shape.kind == 'vit' else {'type': 'hf', 'seq_len': shape.seq}
-    return JobSpec(model={'type': shape.kind, 'preset': shape.preset}, options=shape.opts,
-                   data=data, train={'global_batch_size': batch}, optimizer={})
+    """A ``job.JobSpec`` for the planner's model and batch (what ``check_layout`` reads):
+    text of ``seq`` tokens, or images (``traits.inputs``)."""
+    data = (DataSection('hf', seq_len=shape.seq) if shape.traits.inputs == 'tokens'
+            else DataSection('digits'))
+    return JobSpec(model=ModelSection(shape.kind, shape.preset), options=shape.opts, data=data,
+                   train=TrainSection(global_batch_size=batch))
 
 
 def splits_ok(spec, layout: ParallelLayout) -> bool:
     """The size rules of ``check_layout`` (without its meta build): heads, hidden, vocabulary,
     sequence, image against the tensor family's splits."""
-    from ..job import _check_rule
-    from ..models import SizeRule
     fam = family(layout.mode)
     rules = list(spec.entry.size_rules(spec.options))
     if spec.is_text:
-        rules.append(SizeRule('data.seq_len', spec.data['seq_len'], 'sequence'))
+        rules.append(SizeRule('data.seq_len', spec.data.seq_len, 'sequence'))
     try:
         for rule in rules:
-            _check_rule(rule, layout, fam)
+            check_rule(rule, layout, fam)
     except ConfigError:
         return False
     return True
@@ -128,14 +132,6 @@ def candidate_groups(shape: ModelShape, layout: ParallelLayout, batch: int
         parts = ['uniform'] if p == 1 else ['uniform', 'parameters']
         for (sched, v), part, ckpt in itertools.product(scheds, parts, (False, True)):
             yield Candidate(layout, m, sched, v, part, 0, ckpt), zeros
-
-
-def runtime_zero_stages(layout: ParallelLayout) -> Tuple[int, ...]:
-    """The ZeRO stages the runtime runs with ``layout`` (0: none): none with sequence
-    parallelism; 3 (chunk ZeRO) only without pipeline, for no tensor mode or 1D."""
-    if layout.mode == 'sequence':
-        return (0,)
-    return (0, 1, 2, 3) if layout.pipeline == 1 and layout.mode in (None, '1d') else (0, 1, 2)
 
 
 @dataclass

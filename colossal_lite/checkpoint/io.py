@@ -42,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..communication import collective as C
 from ..context import ParallelMode, current_context
+from ..tensor import layout_mesh
 from . import state as S
 
 COMMON = 'common.pt'
@@ -80,7 +81,6 @@ def _views() -> Optional[S.DTensorViews]:
     ctx = current_context()
     if not _distributed() or ctx.layout is None:
         return None
-    from ..tensor import layout_mesh
     return S.DTensorViews(layout_mesh(ctx.layout), ctx.layout)
 
 

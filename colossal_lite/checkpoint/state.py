@@ -27,14 +27,15 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..context import seed_manager
-from ..tensor import param_placement
+from ..tensor import param_placement, to_dtensor
+from ..zero.chunk.engine import ChunkOptimizer
+from ..zero.low_level import ZeroNaiveAmp
 from ..zero.optimizer import ZeroOptimizer
 
 MODEL, OPTIM = 'model.', 'optim.'
 
 
 def _is_chunk_optimizer(optimizer) -> bool:
-    from ..zero.chunk.engine import ChunkOptimizer
     return isinstance(optimizer, ChunkOptimizer)
 
 
@@ -46,7 +47,6 @@ def check_supported(engine) -> None:
 def _weights_in_zero_masters(engine) -> bool:
     """Chunk ZeRO (the parameters hold no storage between passes) and ZeRO 1/2 under naive
     fp16 (the parameters are half-precision copies): the weights are the ZeRO fp32 masters."""
-    from ..zero.low_level import ZeroNaiveAmp
     return isinstance(engine.optimizer, ZeroOptimizer) and (
         _is_chunk_optimizer(engine.optimizer) or isinstance(engine.amp, ZeroNaiveAmp))
 
@@ -162,7 +162,6 @@ class DTensorViews:
 
     def view(self, local: torch.Tensor, placement) -> Optional[torch.Tensor]:
         """The DTensor of ``local`` (None when the cuts have no DTensor form)."""
-        from ..tensor import to_dtensor
         try:
             return to_dtensor(local, placement, self.mesh, self.layout)
         except NotImplementedError:

@@ -2,7 +2,7 @@
 tensor layout of ``--nproc`` processes, the checks that run in the parent before any worker
 starts, the job's tokenizer, and the model built and loaded on each worker.
 
-The job's config comes from the checkpoint (``checkpoint.job.job_config``: ``colossal-lite
+The job's config comes from the checkpoint (``checkpoint.job.job_settings``: ``colossal-lite
 train`` saves it as ``extra``). Its parallel layout is replaced by tensor parallelism over
 ``--nproc`` processes (``--tensor-mode``, default ``1d`` when nproc > 1) with no pipeline
 and no data parallelism, and the training-only sections ``zero``, ``num_microbatches`` /
@@ -14,7 +14,9 @@ import argparse
 import sys
 from typing import Optional
 
-from ..config import ConfigError
+from ..checkpoint.job import job_settings
+from ..config import ConfigError, load_config, parse_parallel
+from ..job import build_model, describe_model, resolve_vocab
 
 TRAINING_ONLY = ('parallel', 'zero', 'num_microbatches', 'gradient_accumulation')
 MODES = ('1d', '2d', '2.5d', '3d')
@@ -43,7 +45,6 @@ def parallel_section(nproc: int, mode: Optional[str], depth: Optional[int]) -> d
     tensor = dict(size=nproc, mode=mode or '1d')
     if depth is not None:
         tensor['depth'] = depth
-    from ..config import parse_parallel
     try:
         parse_parallel(dict(tensor=tensor))
     except ConfigError as err:
@@ -55,9 +56,7 @@ def parallel_section(nproc: int, mode: Optional[str], depth: Optional[int]) -> d
 def inference_config(ckpt: str, nproc: int, mode: Optional[str] = None,
                      depth: Optional[int] = None):
     """The validated config of the checkpoint's job under the tensor layout (module doc)."""
-    from ..checkpoint.job import job_config
-    from ..config import load_config
-    source = {k: v for k, v in job_config(ckpt).items() if k not in TRAINING_ONLY}
+    source = {k: v for k, v in job_settings(ckpt).to_dict().items() if k not in TRAINING_ONLY}
     parallel = parallel_section(nproc, mode, depth)
     if parallel:
         source['parallel'] = parallel
@@ -67,8 +66,7 @@ def inference_config(ckpt: str, nproc: int, mode: Optional[str] = None,
 def check_model(cfg, nproc: int):
     """The job's model built on the meta device for the layout (rank 0 and the last rank):
     a ConfigError naming the split that fails. Returns rank 0's meta model."""
-    from ..job import describe_model
-    spec, layout = cfg.settings.job, cfg.settings.layout.with_world_size(nproc)
+    spec, layout = resolve_vocab(cfg.settings.job), cfg.settings.layout.with_world_size(nproc)
     models = {}
     for rank in sorted({0, nproc - 1}):
         try:
@@ -89,7 +87,7 @@ def job_tokenizer(spec):
         return (lambda text: tok.encode(text).tolist()), tok.decode
     if spec.data_type == 'hf':
         from ..data.hf import get_tokenizer, load_texts
-        texts = None if spec.data['tokenizer']['type'] == 'file' else load_texts(spec.data)
+        texts = None if spec.data.tokenizer.type == 'file' else load_texts(spec.data)
         tok = get_tokenizer(spec.data, texts, spec.run_dir)
         return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(list(ids)))
     raise ConfigError(f'the checkpoint\'s job trains on data type {spec.data_type!r}, which has '
@@ -112,10 +110,9 @@ def launch_worker(ckpt: str, nproc: int, mode: Optional[str], depth: Optional[in
     ends with ``gpc.destroy()``."""
     from ..checkpoint import load_model
     from ..context import global_context as gpc
-    from ..job import build_model
     from ..worker import launch_worker as launch
     cfg = inference_config(ckpt, nproc, mode, depth)
     launch(cfg)
-    model = build_model(cfg.settings.job).to(gpc.device)
+    model = build_model(resolve_vocab(cfg.settings.job)).to(gpc.device)
     load_model(ckpt, model)
     return cfg, model

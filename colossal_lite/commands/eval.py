@@ -31,11 +31,11 @@ def add_parser(subparsers) -> None:
 
 def prepare(args) -> None:
     from ..config import ConfigError
-    from ..job import check_layout
+    from ..job import check_layout, resolve_vocab
     if args.batches is not None and args.batches < 1:
         raise ConfigError(f'--batches must be a positive integer, got {args.batches}')
     cfg = inference_config(args.checkpoint, args.nproc, args.tensor_mode, args.depth)
-    check_layout(cfg.settings.job, cfg.settings.layout.with_world_size(args.nproc))
+    check_layout(resolve_vocab(cfg.settings.job), cfg.settings.layout.with_world_size(args.nproc))
 
 
 def run(args, entrypoint=None) -> int:
@@ -61,7 +61,7 @@ def evaluate_loaded(cfg, model, batches=None) -> dict:
     from ..trainer import hooks as H
     spec = cfg.settings.job
     if batches is None and spec.is_text:
-        batches = spec.train['eval_batches']
+        batches = spec.train.eval_batches
     _, test_dl, _ = build_data(spec, gpc.device)
     engine, _, test_dl, _ = initialize(model, build_optimizer(spec, model), build_criterion(spec),
                                        test_dataloader=test_dl)

@@ -26,9 +26,9 @@ def add_parser(subparsers) -> None:
 def export(ckpt: str, hf_dir: str) -> str:
     """Build the checkpoint's model serially, load it and ``save_hf(hf_dir)``; the directory."""
     from ..checkpoint import load_model
-    from ..job import build_model
+    from ..job import build_model, resolve_vocab
     cfg = inference_config(ckpt, 1)
-    spec = cfg.settings.job
+    spec = resolve_vocab(cfg.settings.job)
     model = build_model(spec)
     if not hasattr(model, 'save_hf'):
         raise NotImplementedError(f'the checkpoint\'s {spec.kind!r} model has no save_hf '

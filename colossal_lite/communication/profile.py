@@ -19,7 +19,7 @@ from collections import defaultdict
 from fractions import Fraction
 from typing import Dict, List, Optional, Tuple
 
-from ..context.parallel_mode import ParallelMode
+from ..config.modes import ParallelMode
 
 Key = Tuple[ParallelMode, str]
 

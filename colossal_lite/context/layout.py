@@ -21,14 +21,14 @@ from __future__ import annotations
 import itertools
 from typing import Dict, List, Sequence, Tuple
 
-from ..config import ParallelLayout
-from .parallel_mode import ParallelMode
+from ..config.families import family
+from ..config.layout import ParallelLayout
+from ..config.modes import ParallelMode
 
 Groups = List[Tuple[int, ...]]
 
 
 def _family(layout: ParallelLayout):
-    from ..families import family  # late: families imports this package's ParallelMode
     return family(layout.mode)
 
 

@@ -16,9 +16,9 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..config import Config, ParallelLayout, parse_settings
+from ..config import ParallelLayout, PipelineSettings, Settings
+from ..config.modes import ParallelMode
 from .layout import build_groups
-from .parallel_mode import ParallelMode
 from .random import mode_seed, seed_manager
 
 
@@ -45,13 +45,15 @@ class ParallelContext:
     """Process groups, local ranks and RNG seeds of the current run."""
 
     def __init__(self):
-        self.config: Config = Config()
+        self.settings: Optional[Settings] = None   # the launched config's typed sections
+        self._pipeline: Optional[PipelineSettings] = None
         self.layout: Optional[ParallelLayout] = None
         self.device: torch.device = torch.device('cpu')
         self._axes: Dict[ParallelMode, ProcessGroupAxis] = {}
         self._owns_default_group = False
         self._described_rank: Optional[int] = None
         self.meshes: Dict = {}  # (layout, device type) -> DeviceMesh (tensor.layout_mesh)
+        self.partition_cuts: Dict = {}  # model key -> blocks per stage (pipeline.resolve_partition)
 
     # ---------------------------------------------------------------- set-up
     def init_global_dist(self, rank: int, world_size: int, backend: str, init_method: str,
@@ -68,17 +70,25 @@ class ParallelContext:
             self._owns_default_group = True
 
     @staticmethod
-    def describe(layout: ParallelLayout, rank: int = 0) -> 'ParallelContext':
+    def describe(layout: ParallelLayout, rank: int = 0,
+                 pipeline: Optional[PipelineSettings] = None) -> 'ParallelContext':
         """A context for ``layout`` (with its data size set) as rank ``rank`` would see it,
         with no process group: layers built under it (``use_context``) get their shapes,
-        splits and placements, and any collective on a group of several ranks raises."""
+        splits and placements, and any collective on a group of several ranks raises.
+        ``pipeline``: the run's pipeline settings (chunks, schedule, partition), so a model
+        built here is cut exactly as the run cuts it (default: ``layout.pipeline`` uniform
+        stages, one per rank)."""
         if layout.world_size is None:
             raise ValueError('describe() needs a layout with its data size; call '
                              'layout.with_world_size(world) first')
         if not 0 <= rank < layout.world_size:
             raise ValueError(f'rank must be in [0, {layout.world_size}), got {rank}')
+        if pipeline is not None and pipeline.size != layout.pipeline:
+            raise ValueError(f'pipeline settings of size {pipeline.size} do not describe a '
+                             f'layout with pipeline = {layout.pipeline}')
         ctx = ParallelContext()
         ctx.layout = layout
+        ctx._pipeline = pipeline
         for mode, groups in build_groups(layout).items():
             members = next(g for g in groups if rank in g)
             ctx._axes[mode] = ProcessGroupAxis(mode, None, members, members.index(rank),
@@ -91,12 +101,22 @@ class ParallelContext:
         """Whether this context describes a layout without process groups."""
         return self._described_rank is not None
 
-    def init_parallel_groups(self, config: Config):
+    @property
+    def pipeline(self) -> PipelineSettings:
+        """The pipeline settings models are cut by: the launched config's, those given to
+        :meth:`describe`, else ``layout.pipeline`` uniform stages."""
+        if self._pipeline is not None:
+            return self._pipeline
+        if self.settings is not None:
+            return self.settings.pipeline
+        return PipelineSettings(size=self.layout.pipeline if self.layout is not None else 1)
+
+    def init_parallel_groups(self, settings: Settings):
         """Build every group of the configured layout (all ranks create all groups, same order)."""
-        self.config = config
+        self.settings = settings
         world = dist.get_world_size()
         rank = dist.get_rank()
-        self.layout = parse_settings(config).layout.with_world_size(world)
+        self.layout = settings.layout.with_world_size(world)
         for mode, groups in build_groups(self.layout).items():
             for members in groups:
                 if mode is ParallelMode.GLOBAL:
@@ -171,8 +191,10 @@ class ParallelContext:
             dist.destroy_process_group()
         self._axes.clear()
         self.meshes.clear()
+        self.partition_cuts.clear()
         self.layout = None
-        self.config = Config()
+        self.settings = None
+        self._pipeline = None
         self._owns_default_group = False
         seed_manager.reset()
 

@@ -16,7 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .parallel_mode import ParallelMode
+from ..config.modes import ParallelMode
 
 
 def _cuda_in_use() -> bool:

@@ -29,7 +29,8 @@ seq_len=64, val_fraction=0.05, tokenizer=dict(type='bpe', vocab_size=4096))``:
 
 Every problem with the source raises ``ValueError`` naming the key (``data.path``,
 ``data.data_files``, ``data.split``, ``data.text_column``, ``data.tokenizer``) and the
-value; ``job.py`` turns them into ``ConfigError`` before any process starts.
+value; ``job/checks.py`` turns them into ``ConfigError`` before any process starts.
+Each function takes the typed ``data`` section (``colossal_lite.config.job.DataSection``).
 """
 from __future__ import annotations
 
@@ -75,10 +76,10 @@ def _patterns(data_files) -> Dict[str, List[str]]:
                      f"split -> files, got {data_files!r}")
 
 
-def check_source(data: Mapping):
+def check_source(data):
     """The cheap checks of a source (no loading): the builder or saved directory exists, every
     ``data_files`` pattern matches files and none is empty."""
-    path = data.get('path')
+    path = data.path
     if not isinstance(path, str):
         raise ValueError(f"'data.path' must be one of {list(BUILDERS)} or a directory saved by "
                          f"Dataset.save_to_disk, got {path!r}")
@@ -87,14 +88,14 @@ def check_source(data: Mapping):
             raise ValueError(f"'data.path' = {path!r} is neither a builder {list(BUILDERS)} nor "
                              f"an existing directory (from Dataset.save_to_disk; relative paths "
                              f"are taken from {os.getcwd()})")
-        if data.get('data_files') is not None:
+        if data.data_files is not None:
             raise ValueError(f"'data.data_files' is for the builders {list(BUILDERS)}; "
                              f"'data.path' = {path!r} is a saved dataset directory")
         return
-    if data.get('data_files') is None:
+    if data.data_files is None:
         raise ValueError(f"'data.path' = {path!r} reads local files: give 'data.data_files' "
                          f"(a file, a glob or a list of them)")
-    for pattern in sum(_patterns(data['data_files']).values(), []):
+    for pattern in sum(_patterns(data.data_files).values(), []):
         files = sorted(glob.glob(pattern, recursive=True))
         if not files:
             raise ValueError(f"'data.data_files': no file matches {pattern!r} (relative paths "
@@ -106,14 +107,14 @@ def check_source(data: Mapping):
                 raise ValueError(f"'data.data_files': {name!r} is empty")
 
 
-def load_texts(data: Mapping):
+def load_texts(data):
     """The ``split`` of the source as a ``datasets.Dataset``, checked to hold the text
     column with some text."""
     datasets = _datasets()
     check_source(data)
-    path, split, column = data['path'], data.get('split', 'train'), data.get('text_column', 'text')
+    path, split, column = data.path, data.split, data.text_column
     if path in BUILDERS:
-        files = _patterns(data['data_files'])
+        files = _patterns(data.data_files)
         if split not in files:
             raise ValueError(f"'data.split' = {split!r} is not a split of 'data.data_files' "
                              f"(splits: {sorted(files)})")
@@ -121,7 +122,7 @@ def load_texts(data: Mapping):
                  for k, v in files.items()}
         try:
             loaded = datasets.load_dataset(path, data_files=found, split=split,
-                                           cache_dir=data.get('cache_dir'))
+                                           cache_dir=data.cache_dir)
         except Exception as err:  # a parser error of the user's file
             raise ValueError(f"'data': datasets could not read {found[split][:3]} as {path!r}: "
                              f"{type(err).__name__}: {err}") from err
@@ -140,15 +141,15 @@ def load_texts(data: Mapping):
     return loaded
 
 
-def get_tokenizer(data: Mapping, texts, run_dir: Optional[str]):
+def get_tokenizer(data, texts, run_dir: Optional[str]):
     """The ``tokenizers.Tokenizer`` of ``data.tokenizer`` (see module doc); a BPE is trained on
     ``texts`` (a ``Dataset``) unless ``run_dir`` holds one trained on the same data."""
     from tokenizers import Tokenizer
-    spec = data['tokenizer']
-    if spec['type'] == 'file':
-        return Tokenizer.from_file(spec['path'])
-    source = dict(fingerprint=texts._fingerprint, vocab_size=spec['vocab_size'],
-                  text_column=data['text_column'])
+    spec = data.tokenizer
+    if spec.type == 'file':
+        return Tokenizer.from_file(spec.path)
+    source = dict(fingerprint=texts._fingerprint, vocab_size=spec.vocab_size,
+                  text_column=data.text_column)
     path = os.path.join(run_dir or '.', 'tokenizer.json')
     meta = os.path.join(run_dir or '.', 'tokenizer.source.json')
     if os.path.isfile(path) and os.path.isfile(meta):
@@ -157,12 +158,12 @@ def get_tokenizer(data: Mapping, texts, run_dir: Optional[str]):
                 return Tokenizer.from_file(path)
     from tokenizers import ByteLevelBPETokenizer
     bpe = ByteLevelBPETokenizer()
-    column = data['text_column']
+    column = data.text_column
 
     def batches():
         for start in range(0, len(texts), _ROWS_PER_MAP_BATCH):
             yield [t or '' for t in texts[start:start + _ROWS_PER_MAP_BATCH][column]]
-    bpe.train_from_iterator(batches(), vocab_size=spec['vocab_size'], min_frequency=2,
+    bpe.train_from_iterator(batches(), vocab_size=spec.vocab_size, min_frequency=2,
                             special_tokens=[EOS], length=len(texts))
     os.makedirs(run_dir or '.', exist_ok=True)
     tmp = f'{path}.{os.getpid()}.tmp'
@@ -220,31 +221,34 @@ class PackedBlocks(Dataset):
         return ids[0], labels[0]
 
 
-def hf_datasets(data: Mapping, run_dir: Optional[str] = None) -> Tuple[PackedBlocks, PackedBlocks, int]:
+def hf_datasets(data, run_dir: Optional[str] = None) -> Tuple[PackedBlocks, PackedBlocks, int]:
     """(train blocks, validation blocks, tokenizer vocabulary size) of a ``data`` section
-    (defaults filled in by ``job.py``); see the module doc."""
+    (a ``config.job.DataSection``); see the module doc."""
     texts = load_texts(data)
     tokenizer = get_tokenizer(data, texts, run_dir)
-    packed = pack(texts, tokenizer, data['seq_len'], data['text_column'], data['path'] == 'text')
+    packed = pack(texts, tokenizer, data.seq_len, data.text_column, data.path == 'text')
     blocks = len(packed)
-    n_val = max(1, int(round(blocks * data['val_fraction'])))
+    n_val = max(1, int(round(blocks * data.val_fraction)))
     if blocks - n_val < 1:
         raise ValueError(f"'data': the text gives {blocks} blocks of 'data.seq_len' = "
-                         f"{data['seq_len']} tokens: too few to split with 'data.val_fraction' = "
-                         f"{data['val_fraction']}")
+                         f"{data.seq_len} tokens: too few to split with 'data.val_fraction' = "
+                         f"{data.val_fraction}")
     return (PackedBlocks(packed, 0, blocks - n_val), PackedBlocks(packed, blocks - n_val, blocks),
             tokenizer.get_vocab_size())
 
 
-def tokenizer_vocab(data: Mapping) -> int:
+def tokenizer_vocab(data) -> int:
     """The vocabulary the model needs for ``data.tokenizer`` without training anything: the
     file's size, or the BPE's ``vocab_size`` (an upper bound of the trained size)."""
-    spec = data['tokenizer']
-    if spec['type'] == 'bpe':
-        return spec['vocab_size']
+    spec = data.tokenizer
+    if spec.type == 'bpe':
+        return spec.vocab_size
     from tokenizers import Tokenizer
+    if not os.path.isfile(spec.path):
+        raise ValueError(f"'data.tokenizer.path' = {spec.path!r} is not a file (relative "
+                         f"paths are taken from {os.getcwd()})")
     try:
-        return Tokenizer.from_file(spec['path']).get_vocab_size()
+        return Tokenizer.from_file(spec.path).get_vocab_size()
     except Exception as err:
-        raise ValueError(f"'data.tokenizer.path' = {spec['path']!r} is not a tokenizers file: "
+        raise ValueError(f"'data.tokenizer.path' = {spec.path!r} is not a tokenizers file: "
                          f"{type(err).__name__}: {err}") from err

@@ -29,12 +29,13 @@ What a micro-step's backward accumulates into the gradients (S = the AMP loss sc
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from ..amp import FullPrecision
+from ..config.checks import positive_int
+from ..config.pipeline import resolve_microbatches
 from .clip import clip_grad_norm
 from .gradient_handler import GradientReducer
 from .schedule import NonPipelineSchedule
@@ -42,21 +43,6 @@ from .schedule import NonPipelineSchedule
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
-def _count(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f'{name} must be a positive integer, got {value!r}')
-    return int(value)
-
-
-def resolve_microbatches(num_microbatches=None, gradient_accumulation=None) -> int:
-    """M from ``num_microbatches`` or its alias ``gradient_accumulation`` (1 when neither)."""
-    given = {k: _count(v, k) for k, v in (('num_microbatches', num_microbatches),
-                                          ('gradient_accumulation', gradient_accumulation))
-             if v is not None}
-    if len(set(given.values())) > 1:
-        raise ValueError(f'num_microbatches = {num_microbatches} and its alias '
-                         f'gradient_accumulation = {gradient_accumulation} differ; pass one')
-    return next(iter(given.values()), 1)
 
 
 def _as_tuple(obj: Tensors) -> tuple:
@@ -226,7 +212,7 @@ class Engine:
                                  return_loss=return_loss, return_output=return_output)
 
     def _schedule_microbatches(self, forward_only: bool, num_microbatches: Optional[int]) -> int:
-        num = self._num_microbatches if num_microbatches is None else _count(
+        num = self._num_microbatches if num_microbatches is None else positive_int(
             num_microbatches, 'num_microbatches')
         if forward_only:
             return num

@@ -12,7 +12,7 @@ import importlib
 from typing import Callable, Dict, Optional, Tuple
 
 from ..context import current_context
-from ..families import family as family_of
+from ..config.families import family as family_of
 KINDS = ('linear', 'layernorm', 'embedding', 'vocab_parallel_embedding', 'classifier',
          'vocab_parallel_classifier', 'patch_embedding', 'dropout', 'cross_entropy',
          'attention_core', 'gather_logits', 'first_token', 'qkv')

@@ -33,7 +33,7 @@ import torch
 from ..communication import all_gather
 from ..communication import p2p
 from ..context import ParallelMode, current_context
-from .schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, PipeShape
+from .actions import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, PipeShape
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.bool, torch.uint8]

@@ -11,7 +11,8 @@ is the sum of its blocks' weights plus the first/last part's weight on stages 0 
 
 * ``uniform``: every block weighs 1, the first and last parts 0 (equal block counts);
 * ``parameters``: weights are parameter counts (embeddings and heads included);
-* ``cost``: weights are measured forward+backward times (see :func:`measured_costs`);
+* ``cost``: weights are measured forward+backward times (``stages.resolve_partition``, an
+  explicit step before the model is built);
 * an explicit list of blocks per stage (:func:`explicit_cut`), e.g. the planner's BMW cut.
 
 Every stage holds at least one block, so ``n >= S`` (else a ValueError naming both).
@@ -129,23 +130,3 @@ def rank_stages(ranges: Sequence[range], pipeline_size: int, pipeline_rank: int
                 ) -> List[StageSpec]:
     """The stages of one pipeline rank (stage s on rank s % P), in stage order."""
     return [spec for spec in stage_specs(ranges) if spec.index % pipeline_size == pipeline_rank]
-
-
-def measured_costs(build_parts, repeats: int = 3) -> Optional[tuple]:
-    """(first, block, last) forward+backward seconds of one real, small instance of each part.
-
-    ``build_parts()`` returns ``(first_fn, block_fn, last_fn)``: callables that each run one
-    forward and backward of that part on a small input. Medians of ``repeats`` timings after a
-    warm-up; the CPU wall clock."""
-    import statistics
-    import time
-    out = []
-    for fn in build_parts():
-        fn()  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        out.append(statistics.median(times))
-    return tuple(out)

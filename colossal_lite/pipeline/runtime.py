@@ -31,16 +31,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..communication import collective as C
+from ..config.pipeline import PipelineSettings
 from ..context import ParallelMode, current_context
-from ..engine.schedule import concat, detached, micro_batches, to_device
+from ..engine.schedule import call_with, concat, detached, micro_batches, to_device
 from ..tensor.placement import param_placement
-from .config import PipelineSettings
-from .p2p import (BACKWARD, FORWARD, StageLink, input_signature, message_key,
-                  release_points)
+from .actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, PipeShape, W
+from .p2p import BACKWARD, FORWARD, StageLink, input_signature, message_key, release_points
+from .schedules import build_schedule, lower
 from .simulator import simulate
 from .split_backward import SplitBackward
-from .schedules import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, PipeShape,
-                        build_schedule, lower)
 
 
 def forward_only_actions(shape: PipeShape) -> Dict[int, List[Action]]:
@@ -205,7 +204,6 @@ class _StepRun:
         if self.return_output:
             self.outputs.append(detached(out))
         if self.engine.criterion is not None:
-            from ..engine.schedule import call_with
             with self.engine.autocast():
                 loss = call_with(self.engine.criterion, (out,), labels)
             self.losses.append(loss.detach())

@@ -1,117 +1,52 @@
-"""Pipeline schedules as data: per-rank lists of actions, made by small generators.
+"""Pipeline schedules by name: generate each rank's compute order, lower it, dry-run it.
 
-Stage ``s`` of ``S = P*V`` stages lives on rank ``s % P`` (V virtual stages per rank,
-rank r holding stages r, r+P, ...). A schedule is ``{rank: [Action, ...]}``:
+The vocabulary (:class:`Action`, :class:`PipeShape`, the action kinds) is ``actions.py``;
+the generators are ``generators.py`` (GPipe, 1F1B, interleaved: one small function per
+schedule giving one rank's compute order) and ``zero_bubble.py`` (ZB-H1); what a schedule
+admits (P, V, M) is its row of the schedule table (``colossal_lite/config/schedules.py``).
+This module sits above them all:
 
-* compute actions ``F`` (forward), ``B`` (backward; the input gradient only when the
-  schedule splits backward), ``W`` (weight gradient of a split backward) of
-  micro-batch ``m`` on stage ``s``;
-* communication ``SEND_F``/``RECV_F`` (activation from stage s to s+1) and
-  ``SEND_B``/``RECV_B`` (gradient from stage s to s-1), added by :func:`lower`: the
-  sender's SEND follows its compute, the receiver's RECV comes right before the compute
-  that needs it. Sends are non-blocking, receives block (``simulator.py`` checks that
-  this never deadlocks and that every send meets its receive).
+* :func:`compute_orders` dispatches by name;
+* :func:`lower` adds the point-to-point actions: the sender's SEND follows its compute, the
+  receiver's RECV comes right before the compute that needs it. Sends are non-blocking,
+  receives block (``simulator.py`` checks that this never deadlocks and that every send
+  meets its receive);
+* :func:`build_schedule` does all three.
 
-Each generator gives the compute order of one rank; a new schedule is a new generator,
-not a new runtime.
+A new schedule is a new generator and a table row, not a new runtime.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
-F, B, W = 'F', 'B', 'W'
-SEND_F, RECV_F, SEND_B, RECV_B = 'SEND_F', 'RECV_F', 'SEND_B', 'RECV_B'
-COMPUTE = (F, B, W)
+from ..config.schedules import SCHEDULES
+from .actions import (B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Order,
+                      PipeShape, RankGenerator)
+from .generators import gpipe, interleaved_1f1b, one_f_one_b
+from .simulator import simulate
+from .zero_bubble import zero_bubble_h1
 
-
-@dataclass(frozen=True)
-class Action:
-    kind: str
-    stage: int
-    microbatch: int
-
-    def __repr__(self) -> str:
-        return f'{self.kind}{self.stage}.{self.microbatch}'
+__all__ = ['B', 'COMPUTE', 'F', 'RECV_B', 'RECV_F', 'SEND_B', 'SEND_F', 'W', 'Action', 'Order',
+           'PipeShape', 'GENERATORS', 'SPLIT_BACKWARD', 'build_schedule', 'check_shape',
+           'compute_orders', 'gpipe', 'interleaved_1f1b', 'lower', 'one_f_one_b']
 
 
-@dataclass(frozen=True)
-class PipeShape:
-    """P ranks, V stages per rank, M micro-batches."""
-
-    ranks: int
-    chunks: int
-    microbatches: int
-
-    @property
-    def stages(self) -> int:
-        return self.ranks * self.chunks
-
-    def rank_of(self, stage: int) -> int:
-        return stage % self.ranks
-
-    def stages_of(self, rank: int) -> List[int]:
-        return [rank + v * self.ranks for v in range(self.chunks)]
+def _every_rank(generator: RankGenerator) -> Callable[[PipeShape], Dict[int, Order]]:
+    return lambda shape: {r: generator(shape, r) for r in range(shape.ranks)}
 
 
-Order = List[Action]
-Generator = Callable[[PipeShape, int], Order]
-
-
-def gpipe(shape: PipeShape, rank: int) -> Order:
-    """All forwards, then all backwards (V = 1)."""
-    s, m = rank, range(shape.microbatches)
-    return [Action(F, s, i) for i in m] + [Action(B, s, i) for i in m]
-
-
-def one_f_one_b(shape: PipeShape, rank: int) -> Order:
-    """PipeDream-flush: P-1-r warm-up forwards, then one forward / one backward, then the
-    remaining backwards (V = 1). At most P-r micro-batches in flight on rank r."""
-    s, M = rank, shape.microbatches
-    warmup = min(shape.ranks - 1 - rank, M)
-    order = [Action(F, s, i) for i in range(warmup)]
-    for i in range(M - warmup):
-        order += [Action(F, s, warmup + i), Action(B, s, i)]
-    order += [Action(B, s, i) for i in range(M - warmup, M)]
-    return order
-
-
-def interleaved_1f1b(shape: PipeShape, rank: int) -> Order:
-    """Megatron's interleaved 1F1B: micro-batches go through the V chunks of a rank in
-    groups of P; ``(P-1-r)*2 + (V-1)*P`` warm-up forwards, then 1F1B over the
-    (chunk, micro-batch) sequence, backwards taking the chunks in reverse."""
-    P, V, M = shape.ranks, shape.chunks, shape.microbatches
-    total = M * V
-
-    def unit(k: int, forward: bool):
-        group, within = divmod(k, P * V)
-        chunk = within // P
-        if not forward:
-            chunk = V - 1 - chunk
-        return chunk * P + rank, group * P + within % P
-
-    warmup = min(total, (P - 1 - rank) * 2 + (V - 1) * P)
-    order = [Action(F, *unit(k, True)) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [Action(F, *unit(warmup + k, True)), Action(B, *unit(k, False))]
-    order += [Action(B, *unit(k, False)) for k in range(total - warmup, total)]
-    return order
-
-
-GENERATORS: Dict[str, Generator] = {'gpipe': gpipe, '1f1b': one_f_one_b,
-                                    'interleaved': interleaved_1f1b}
-SPLIT_BACKWARD = ('zero_bubble',)
+# schedule name -> shape -> {rank: compute order}
+GENERATORS: Dict[str, Callable[[PipeShape], Dict[int, Order]]] = {
+    'gpipe': _every_rank(gpipe), '1f1b': _every_rank(one_f_one_b),
+    'interleaved': _every_rank(interleaved_1f1b), 'zero_bubble': zero_bubble_h1}
+SPLIT_BACKWARD = tuple(name for name, row in SCHEDULES.items() if row.split_backward)
 
 
 def compute_orders(name: str, shape: PipeShape) -> Dict[int, Order]:
     """The compute order of every rank for schedule ``name``."""
-    if name == 'zero_bubble':
-        from .zero_bubble import zero_bubble_h1
-        return zero_bubble_h1(shape)
     if name not in GENERATORS:
-        raise ValueError(f"unknown pipeline schedule {name!r}; schedules: "
-                         f"{sorted(GENERATORS) + list(SPLIT_BACKWARD)}")
-    return {r: GENERATORS[name](shape, r) for r in range(shape.ranks)}
+        raise ValueError(f"unknown pipeline schedule {name!r}; schedules: {sorted(GENERATORS)}")
+    return GENERATORS[name](shape)
 
 
 def lower(shape: PipeShape, orders: Dict[int, Order]) -> Dict[int, Order]:
@@ -137,7 +72,6 @@ def lower(shape: PipeShape, orders: Dict[int, Order]) -> Dict[int, Order]:
 
 def build_schedule(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Dict[int, Order]:
     """Generated, lowered and simulated per-rank action lists (raises if they deadlock)."""
-    from .simulator import simulate
     shape = PipeShape(ranks, chunks, microbatches)
     check_shape(name, shape)
     actions = lower(shape, compute_orders(name, shape))
@@ -146,15 +80,13 @@ def build_schedule(name: str, ranks: int, microbatches: int, chunks: int = 1) ->
 
 
 def check_shape(name: str, shape: PipeShape):
-    """The combinations a schedule cannot run, as ValueErrors naming the numbers."""
+    """The combinations a schedule cannot run (its table row's check), as ValueErrors naming
+    the numbers."""
     P, V, M = shape.ranks, shape.chunks, shape.microbatches
     if min(P, V, M) < 1:
         raise ValueError(f'pipeline ranks, chunks and micro-batches must be >= 1, got {P}, {V}, {M}')
-    if name != 'interleaved' and V != 1:
-        raise ValueError(f"schedule {name!r} runs one stage per rank; chunks={V} needs "
-                         f"schedule 'interleaved'")
-    if name == 'interleaved' and M % P:
-        raise ValueError(f'the interleaved schedule needs num_microbatches divisible by the '
-                         f'pipeline size {P}, got {M}')
-    if name in ('1f1b', 'interleaved', 'zero_bubble') and M < P:
-        raise ValueError(f'schedule {name!r} needs num_microbatches >= pipeline size {P}, got {M}')
+    if name not in GENERATORS:
+        raise ValueError(f"unknown pipeline schedule {name!r}; schedules: {sorted(GENERATORS)}")
+    why = SCHEDULES[name].check(P, V, M)
+    if why:
+        raise ValueError(why)

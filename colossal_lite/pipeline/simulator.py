@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from .schedules import (B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Order,
-                        PipeShape)
+from .actions import (B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Order,
+                      PipeShape, costs)
 
 
 class ScheduleError(ValueError):
@@ -36,10 +36,6 @@ class SimResult:
     def idle_fraction(self, rank: int) -> float:
         work = sum(end - start for start, end, _ in self.busy[rank])
         return 1.0 - work / self.makespan if self.makespan else 0.0
-
-
-def costs(split: bool) -> Dict[str, float]:
-    return {F: 1.0, B: 1.0 if split else 2.0, W: 1.0}
 
 
 def _message_key(action: Action) -> Tuple[str, int, int]:

@@ -7,6 +7,9 @@ their serial names (``blocks.<i>``), plus the first part on the rank of stage 0 
 last part on the rank of stage S-1. Weights are drawn by serial name (``tensor/init.py``),
 so every stage holds exactly the serial model's weights.
 
+Building neither times nor communicates: ``partition='cost'`` reads a cut that the explicit
+step :func:`resolve_partition` (after launch, collective) measured and agreed beforehand.
+
 ``forward(*inputs, stage_input=None, stage=None)`` runs one stage: stage 0 starts from the
 user's inputs, a later stage from ``stage_input`` (the previous stage's activation) -- the
 user's inputs (masks, ids) are still passed, since every rank has the micro-batch. Stage
@@ -20,11 +23,15 @@ this rank missing from it is still an error under ``strict``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Tuple
+import inspect
+from typing import Any, Callable, Hashable, List, Mapping, Optional, Tuple
 
 from torch import nn
 
-from ..context import ParallelMode, current_context
+from ..communication import collective as C
+from ..config import parse_parallel
+from ..context import ParallelContext, ParallelMode, current_context, use_context
+from ..tensor import init_by_name
 from ..tensor.placement import param_placement, set_placement
 from .partition import StageSpec, balanced_cut, cut, explicit_cut, rank_stages
 
@@ -33,44 +40,110 @@ Weights = Callable[[str], Tuple[float, object, float]]
 
 
 def pipeline_settings():
-    """(P, settings) of the current context: P from the layout, the rest from its config."""
-    from .config import PipelineSettings, parse_pipeline
+    """(P, settings) of the current context (``ParallelContext.pipeline``)."""
     ctx = current_context()
-    size = ctx.layout.pipeline if ctx.layout is not None else 1
-    settings = parse_pipeline(ctx.config) if ctx.config else PipelineSettings()
-    if settings.size != size:  # a described context without a config: defaults
-        settings = PipelineSettings(size=size)
-    return size, settings
+    return ctx.pipeline.size, ctx.pipeline
 
 
-def my_stages(num_layers: int, weights: Optional[Weights] = None) -> List[StageSpec]:
-    """This rank's stages for a model of ``num_layers`` blocks under the current context.
+def my_stages(num_layers: int, weights: Optional[Weights] = None,
+              cost_key: Optional[Hashable] = None) -> List[StageSpec]:
+    """This rank's stages for a model of ``num_layers`` blocks under the current context;
+    neither times nor communicates.
 
-    ``weights(method)`` gives ``(first, block, last)`` weights for the ``parameters`` and
-    ``cost`` partitions; an explicit partition (a tuple of blocks per stage) is taken as is
-    (a ValueError unless it sums to ``num_layers``)."""
+    ``weights('parameters')`` gives ``(first, block, last)`` parameter counts for the
+    ``parameters`` partition; ``partition='cost'`` takes the cut :func:`resolve_partition`
+    stored on the context under ``cost_key`` (:func:`partition_key`; a ValueError naming that
+    step when it has not run); an explicit partition (a tuple of blocks per stage) is taken
+    as is (a ValueError unless it sums to ``num_layers``)."""
     size, settings = pipeline_settings()
     if isinstance(settings.partition, tuple):  # an explicit cut: blocks per stage
-        ranges = explicit_cut(settings.partition, num_layers)
-        rank = current_context().axis(ParallelMode.PIPELINE).rank
-        return rank_stages(ranges, size, rank)
+        return _rank_stages(explicit_cut(settings.partition, num_layers), size)
     if settings.stages == 1:
         return [StageSpec(0, 1, range(num_layers))]
     if num_layers < settings.stages:
         raise ValueError(f'model.layers = {num_layers} is fewer than the pipeline stages '
                          f'(pipeline size {size} x chunks {settings.chunks} = '
                          f'{settings.stages}): every stage needs at least one layer')
-    if settings.partition != 'uniform':
+    if settings.partition == 'cost':
+        ranges = explicit_cut(_resolved_cut(cost_key), num_layers)
+    elif settings.partition == 'parameters':
         if weights is None:
-            raise ValueError(f"partition {settings.partition!r} needs the model's layer weights")
-        first, block, last = weights(settings.partition)
+            raise ValueError("partition 'parameters' needs the model's layer weights")
+        first, block, last = weights('parameters')
         blocks = list(block) if isinstance(block, (list, tuple)) else [block] * num_layers
-        agreed = _agreed([first, last] + blocks)
-        ranges = balanced_cut(agreed[2:], settings.stages, agreed[0], agreed[1])
+        ranges = balanced_cut(blocks, settings.stages, first, last)
     else:
         ranges = cut('uniform', num_layers, settings.stages)
-    rank = current_context().axis(ParallelMode.PIPELINE).rank
-    return rank_stages(ranges, size, rank)
+    return _rank_stages(ranges, size)
+
+
+def _rank_stages(ranges: List[range], size: int) -> List[StageSpec]:
+    return rank_stages(ranges, size, current_context().axis(ParallelMode.PIPELINE).rank)
+
+
+def _arguments(model_cls, options: Mapping[str, Any]) -> dict:
+    """``model_cls``'s constructor arguments for ``options``, defaults filled in."""
+    args = inspect.signature(model_cls).bind(**options)
+    args.apply_defaults()
+    return dict(args.arguments)
+
+
+def partition_key(model_cls, options: Mapping[str, Any]) -> Hashable:
+    """What a measured cut depends on: the pipeline's stage count, the model class and its
+    constructor arguments (``options`` with the defaults filled in), less the class's
+    ``untimed_options`` (those the timing fixes, e.g. dropout)."""
+    untimed = getattr(model_cls, 'untimed_options', ())
+    kept = sorted((k, v) for k, v in _arguments(model_cls, options).items() if k not in untimed)
+    return (pipeline_settings()[1].stages, f'{model_cls.__module__}.{model_cls.__qualname__}',
+            repr(kept))
+
+
+def _resolved_cut(key: Optional[Hashable]) -> Tuple[int, ...]:
+    cuts = current_context().partition_cuts
+    if key is None:
+        raise ValueError("partition 'cost' is not available for this model (it cannot time its "
+                         "parts); use 'uniform', 'parameters' or an explicit list of blocks per "
+                         "stage")
+    if key not in cuts:
+        raise ValueError(f"partition 'cost' cuts {key[1]} by measured times, which are agreed "
+                         f"before the model is built: call colossal_lite.pipeline."
+                         f"resolve_partition(<model class>, **<its options>) once on every rank "
+                         f"after launch (colossal-lite train and job.describe_model do it), then "
+                         f"build the model")
+    return cuts[key]
+
+
+def resolve_partition(model_cls, **options) -> Optional[Tuple[int, ...]]:
+    """The explicit partition step: run it after launch and before building a model whose
+    config says ``parallel.pipeline.partition='cost'``; elsewhere it does nothing and returns
+    None (the other partitions need neither timing nor communication).
+
+    ``model_cls(**options)`` is the model about to be built; the class times its parts with
+    ``model_cls.part_costs(args)`` -> (first part, one block, last part) seconds, ``args``
+    its constructor arguments with defaults (model_zoo's GPT, BERT and ViT: a 3-block copy
+    timed as a described 3-stage pipeline, ``measure_part_costs``). The ranks agree on the
+    maximum of their measurements (**collective**: one MAX all_reduce over GLOBAL when
+    launched, so every rank calls it, for the same models in the same order), cut the
+    ``model_cls.blocks_option`` blocks (default ``layers``) into P*V stages minimizing the
+    heaviest one (``partition.balanced_cut``) and keep the cut on the current context
+    (``partition_cuts``), where the constructor reads it. Returns the cut, blocks per stage
+    (a second call for the same model returns it without measuring)."""
+    size, settings = pipeline_settings()
+    if settings.partition != 'cost' or settings.stages == 1:
+        return None
+    key = partition_key(model_cls, options)
+    cuts = current_context().partition_cuts
+    if key not in cuts:
+        if not hasattr(model_cls, 'part_costs'):
+            raise ValueError(f"partition 'cost' needs a model class that times its parts "
+                             f"(part_costs); {model_cls!r} does not: use 'uniform', "
+                             f"'parameters' or an explicit list of blocks per stage")
+        args = _arguments(model_cls, options)
+        layers = args[getattr(model_cls, 'blocks_option', 'layers')]
+        first, block, last = _agreed([float(c) for c in model_cls.part_costs(args)])
+        ranges = balanced_cut([block] * layers, settings.stages, first, last)
+        cuts[key] = tuple(len(r) for r in ranges)
+    return cuts[key]
 
 
 def _agreed(values: List[float]) -> List[float]:
@@ -81,7 +154,6 @@ def _agreed(values: List[float]) -> List[float]:
         return values
     import torch
     import torch.distributed as dist
-    from ..communication import collective as C
     out = C.all_reduce(torch.tensor(values, dtype=torch.float64, device=ctx.device),
                        ParallelMode.GLOBAL, op=dist.ReduceOp.MAX)
     return [float(v) for v in out.cpu()]
@@ -97,7 +169,6 @@ def measure_part_costs(build: Callable[[], nn.Module], sample: Callable[[], tupl
     part -- and each stage is timed (median of ``repeats`` after a warm-up), so
     ``first = t0 - t1``, ``block = t1``, ``last = t2 - t1`` (clamped at 0)."""
     import torch
-    from ..config import parse_parallel
     layout = parse_parallel({'pipeline': 3}).with_world_size(3)
     with torch.device('cpu'):
         return _time_stages(build, sample(), layout, repeats)
@@ -106,8 +177,8 @@ def measure_part_costs(build: Callable[[], nn.Module], sample: Callable[[], tupl
 def _time_stages(build, inputs, layout, repeats):
     import statistics
     import time
+
     import torch
-    from ..context import ParallelContext, use_context
     stages = []
     for rank in range(3):
         with use_context(ParallelContext.describe(layout, rank)):
@@ -128,13 +199,25 @@ def _time_stages(build, inputs, layout, repeats):
 
 
 class StagedModel(nn.Module):
-    """Mixin for models cut into pipeline stages (module doc)."""
+    """Mixin for models cut into pipeline stages (module doc).
+
+    A subclass that supports ``partition='cost'`` defines the classmethod
+    ``part_costs(args) -> (first, block, last)`` seconds (``args``: its constructor arguments;
+    see :func:`resolve_partition`) and may name the constructor option counting its blocks
+    (``blocks_option``) and the options its timing fixes (``untimed_options``)."""
 
     stages: List[StageSpec]
+    blocks_option: str = 'layers'
+    untimed_options: Tuple[str, ...] = ()
 
-    def plan_stages(self, num_layers: int, weights: Optional[Weights] = None):
-        """Decide this rank's stages (``self.stages``); call before building any part."""
-        self.stages = my_stages(num_layers, weights)
+    def plan_stages(self, num_layers: int, weights: Optional[Weights] = None,
+                    options: Optional[Mapping[str, Any]] = None):
+        """Decide this rank's stages (``self.stages``); call before building any part.
+        ``options``: the constructor's arguments, naming the cut :func:`resolve_partition`
+        stored for ``partition='cost'``. No timing, no communication."""
+        cost = options is not None and pipeline_settings()[1].partition == 'cost'
+        key = partition_key(type(self), options) if cost else None
+        self.stages = my_stages(num_layers, weights, key)
         self.num_stages = self.stages[0].count
 
     def build_blocks(self, make_block: Callable[[int], nn.Module]) -> nn.ModuleDict:
@@ -212,19 +295,15 @@ class StagedModel(nn.Module):
         return keys + [name for name, _ in self.named_buffers()]
 
 
-def transformer_weights(hidden: int, mlp_ratio: int, first_params: int, last_params: int,
-                        measure: Optional[Callable[[], Tuple[float, float, float]]] = None
+def transformer_weights(hidden: int, mlp_ratio: int, first_params: int, last_params: int
                         ) -> Weights:
-    """``weights(method)`` for a pre/post-LN transformer: parameter counts of a block
-    ((4 + 2r) h^2 + (9 + r) h), the first and last parts; or measured times (``measure``,
-    e.g. :func:`measure_part_costs`)."""
+    """``weights('parameters')`` for a pre/post-LN transformer: parameter counts of a block
+    ((4 + 2r) h^2 + (9 + r) h), the first and last parts."""
     def weights(method: str) -> Tuple[float, float, float]:
-        if method == 'parameters':
-            block = (4 + 2 * mlp_ratio) * hidden ** 2 + (9 + mlp_ratio) * hidden
-            return float(first_params), float(block), float(last_params)
-        if measure is None:
-            raise ValueError(f"partition {method!r} is not available for this model")
-        return measure()
+        if method != 'parameters':
+            raise ValueError(f"partition {method!r} has no parameter weights")
+        block = (4 + 2 * mlp_ratio) * hidden ** 2 + (9 + mlp_ratio) * hidden
+        return float(first_params), float(block), float(last_params)
     return weights
 
 
@@ -240,7 +319,6 @@ class StagedSequential(StagedModel):
 
     def __init__(self, builders):
         super().__init__()
-        from ..tensor import init_by_name
         builders = list(builders)
         if not builders:
             raise ValueError('StagedSequential needs at least one layer builder')

@@ -1,18 +1,19 @@
 """ZB-H1 (zero-bubble, same activation memory as 1F1B): backward split into B (input
 gradient) and W (weight gradient); W passes fill the time a rank would wait.
 
-The generator plays the schedule on the unit-cost clock of ``simulator.py``: every rank
-keeps 1F1B's order of F and B, and before an F or B whose input arrives later than the
-rank is free, or when it already holds P - r micro-batches' activations (1F1B's
-bound), it runs a pending W instead; the W passes left at the end close the step.
-The result is a static per-rank order, lowered and checked like any other schedule.
+The generator plays the schedule on the dry run's unit-cost clock (``actions.costs``):
+every rank keeps 1F1B's order of F and B (``generators.one_f_one_b``), and before an F or B
+whose input arrives later than the rank is free, or when it already holds P micro-batches'
+activations (1F1B's peak; one is held until its W), it runs a pending W instead; the W
+passes left at the end close the step. The result is a static per-rank order, lowered and
+checked like any other schedule.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from .schedules import B, F, W, Action, Order, PipeShape, one_f_one_b
-from .simulator import costs
+from .actions import B, F, W, Action, Order, PipeShape, costs
+from .generators import one_f_one_b
 
 
 def _input_time(shape: PipeShape, a: Action, ends: Dict[Tuple[str, int, int], float]
@@ -26,6 +27,7 @@ def _input_time(shape: PipeShape, a: Action, ends: Dict[Tuple[str, int, int], fl
 
 
 def zero_bubble_h1(shape: PipeShape) -> Dict[int, Order]:
+    """The compute order of every rank (module doc); V = 1."""
     P = shape.ranks
     cost = costs(split=True)
     queues = {r: list(one_f_one_b(shape, r)) for r in range(P)}

@@ -28,7 +28,9 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..config.families import family
 from ..context import ParallelMode, current_context
+from ..context.layout import mode_axes
 from .adjacent import ADJACENT_ATTR, place_tagged
 from .placement import AxisOrMode, Placement, param_placement, placement_of, set_placement
 
@@ -47,8 +49,6 @@ def _replication(cuts: Tuple) -> Tuple[Tuple[ParallelMode, ...], Tuple[ParallelM
     layout = ctx.layout
     if layout is None:
         return (), ()
-    from ..context.layout import mode_axes
-    from ..families import family
     axes = mode_axes(layout)
     cut_axes = {name for _, mode in cuts for name in axes[mode]}
     fam = family(layout.mode)

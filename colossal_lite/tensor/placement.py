@@ -32,6 +32,7 @@ import torch
 from ..communication import collective as C
 from ..communication import gather_from
 from ..context import ParallelMode, ProcessGroupAxis, current_context
+from ..context.layout import axes_of, mode_axes
 
 Cut = Tuple[int, ParallelMode]
 AxisOrMode = Union[ProcessGroupAxis, ParallelMode]
@@ -196,7 +197,6 @@ def layout_mesh(layout, device_type: Optional[str] = None):
     (``pipe, data, <tensor sub-axes>``); collective the first time (every rank calls it),
     then kept by the context until ``destroy()``, so repeated calls create no new groups."""
     from torch.distributed.device_mesh import init_device_mesh
-    from ..context.layout import axes_of
     ctx = current_context()
     device_type = device_type or ctx.device.type
     key = (layout, device_type)
@@ -210,7 +210,6 @@ def layout_mesh(layout, device_type: Optional[str] = None):
 def to_dtensor(local: torch.Tensor, placement: Placement, mesh, layout):
     """``DTensor`` of a stage-local shard over the non-pipeline dims of ``mesh``."""
     from torch.distributed.tensor import DTensor
-    from ..context.layout import mode_axes
     names = tuple(n for n in mesh.mesh_dim_names if n != 'pipe')
     meshes = current_context().meshes       # slicing a mesh takes ms: once per mesh
     sub = meshes.get(('non-pipe', id(mesh)))

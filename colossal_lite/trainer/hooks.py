@@ -15,8 +15,11 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import checkpoint
 from ..communication import collective as C
-from ..context import ParallelMode, global_context as gpc
+from ..context import ParallelMode
+from ..context import global_context as gpc
+from ..nn import gather_logits
 from ..tensor import param_placement
 
 METRIC_PRIORITY, SCHEDULER_PRIORITY, OUTPUT_PRIORITY = 0, 1, 10
@@ -90,7 +93,6 @@ class LossHook(BaseHook):
 def default_accuracy(output, label):
     """(correct, counted) for class logits ``[.., C]`` (possibly vocab-split) against labels;
     labels equal to -100 are not counted. Tuples use their first element."""
-    from ..nn import gather_logits
     logits = output[0] if isinstance(output, (tuple, list)) else output
     labels = label[0] if isinstance(label, (tuple, list)) else label
     predicted = gather_logits(logits).argmax(dim=-1)
@@ -393,7 +395,6 @@ class SaveCheckpointHook(BaseHook):
         self.saved_at = self.pending = None
 
     def _save(self, trainer, async_save: bool):
-        from .. import checkpoint
         self._complete()
         path = self.path.format(epoch=trainer.cur_epoch, step=trainer.cur_step)
         self.pending = checkpoint.save(path, trainer.engine, lr_scheduler=self.lr_scheduler,

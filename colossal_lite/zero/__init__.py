@@ -5,6 +5,6 @@ and chunk-based ZeRO with device/cpu/static/auto placement (stage 3) -- ``chunk/
 Only the config section is imported here (``colossal_lite.config`` reads it); import
 ``colossal_lite.zero.low_level`` for the optimizer and the gradient handler.
 """
-from .config import ZeroSettings, parse_zero
+from ..config.zero import ZeroSettings, parse_zero
 
 __all__ = ['ZeroSettings', 'parse_zero']

@@ -17,13 +17,13 @@ whose placements cut them over the tensor modes and the reduce group, so
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Tuple
+from typing import Tuple
 
 import torch
 
 from ..amp import DynamicGradScaler, FullPrecision, NaiveAmp, build_amp
 from ..amp.base import found_inf_anywhere, has_inf_or_nan
-from .config import ZeroSettings, parse_zero
+from ..config import AmpSettings, ZeroSettings
 from .optimizer import ZeroOptimizer
 from .reducer import ShardedGradientReducer
 
@@ -54,48 +54,20 @@ class ZeroNaiveAmp(NaiveAmp):
     zero_grad = FullPrecision.zero_grad
 
 
-def build_low_level_zero(settings: ZeroSettings, fp16: Optional[Mapping], model: torch.nn.Module,
+def build_low_level_zero(settings: ZeroSettings, amp: AmpSettings, model: torch.nn.Module,
                          optimizer: torch.optim.Optimizer
                          ) -> Tuple[FullPrecision, ShardedGradientReducer]:
     """``(amp, gradient_handler)`` for ZeRO stage 1 or 2 (``model`` already on its device
     and equal on every replica)."""
     zero = ZeroOptimizer(optimizer, model, settings.stage, settings.bucket_bytes,
                          overlap=settings.overlap, offload=settings.offload_optimizer)
-    return zero_amp(fp16, model, zero), zero.reducer
+    return zero_amp(amp, model, zero), zero.reducer
 
 
-def zero_amp(fp16: Optional[Mapping], model: torch.nn.Module, zero) -> FullPrecision:
+def zero_amp(amp: AmpSettings, model: torch.nn.Module, zero) -> FullPrecision:
     """The precision strategy over a ZeRO optimizer (stages 1-3): :class:`ZeroNaiveAmp` for
-    ``mode='naive'``, else the usual strategy of ``fp16`` built on ``zero``."""
-    if (fp16 or {}).get('mode') == 'naive':
-        scaler = DynamicGradScaler(**{k: fp16[k] for k in _SCALER_KEYS if k in fp16})
-        return ZeroNaiveAmp(model, zero, getattr(torch, fp16.get('dtype', 'float16')), scaler)
-    return build_amp(fp16, model, zero)
-
-
-def check_zero(cfg: Mapping) -> Optional[ZeroSettings]:
-    """The ``zero`` section's settings (None without one); raises for bad values
-    (ConfigError) and for what is not built (NotImplementedError). No communication."""
-    settings = parse_zero(cfg.get('zero'))
-    if settings is None:
-        return None
-    if settings.stage == 3:
-        from .chunk.engine import check_chunk_zero
-        check_chunk_zero(cfg)
-        return settings
-    if (cfg.get('fp16') or {}).get('mode') == 'apex':
-        raise NotImplementedError("fp16 mode 'apex' is not supported with ZeRO (apex amp keeps "
-                                  "its own unsharded master weights); use mode 'torch' or 'naive'")
-    return settings
-
-
-def apply_zero(cfg: Mapping, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-               ) -> Optional[Tuple[FullPrecision, ShardedGradientReducer]]:
-    """``(amp, gradient_handler)`` when the config has a ``zero`` section, else None."""
-    settings = check_zero(cfg)
-    if settings is None:
-        return None
-    if settings.stage == 3:
-        from .chunk.engine import build_chunk_zero
-        return build_chunk_zero(settings, cfg, model, optimizer)
-    return build_low_level_zero(settings, cfg.get('fp16'), model, optimizer)
+    ``mode='naive'``, else the usual strategy of ``amp`` built on ``zero``."""
+    if amp.mode == 'naive':
+        scaler = DynamicGradScaler(**{k: amp.scaler[k] for k in _SCALER_KEYS if k in amp.scaler})
+        return ZeroNaiveAmp(model, zero, getattr(torch, amp.dtype), scaler)
+    return build_amp(amp.as_dict(), model, zero)

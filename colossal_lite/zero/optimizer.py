@@ -26,6 +26,7 @@ from typing import Dict, List
 
 import torch
 
+from ..nn.optimizer import CPUAdam
 from ..tensor import param_placement
 from .buckets import FlatBucket, build_buckets
 from .reducer import ShardedGradientReducer
@@ -34,7 +35,6 @@ from .reducer import ShardedGradientReducer
 def check_optimizer(optimizer) -> None:
     """Adam/AdamW of torch, or colossal_lite's CPUAdam/HybridAdam (same state keys; CPU
     slices, e.g. with ``offload_optimizer``, then update through the C++ kernel)."""
-    from ..nn.optimizer import CPUAdam
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, CPUAdam)):
         raise TypeError(f'ZeRO stages 1 and 2 shard a torch.optim.Adam or AdamW (or '
                         f'colossal_lite.nn.optimizer.HybridAdam/CPUAdam), got '

@@ -9,7 +9,7 @@ No collective runs here beyond what building the model does.
 Vocabulary padding rule: the vocabulary is padded with zero rows (embedding, tied LM
 head, MLM decoder bias) to the smallest multiple of the launched layout's vocabulary
 split that holds it -- 1 serial or data parallel, t for 1D, q for 2D and 2.5D, q^2 for
-3D (``colossal_lite.families.family(mode).vocab_split``); ``vocab_size=`` in the
+3D (``colossal_lite.config.families.family(mode).vocab_split``); ``vocab_size=`` in the
 overrides picks any larger size instead (e.g. a multiple of 128, the same in every
 layout). The padded logits are 0 (zero rows, zero bias) and the first ``V_hf`` equal
 HF's; the HF size is kept as ``model.hf_vocab_size`` so ``save_hf`` cuts it back.
@@ -31,7 +31,7 @@ FREE_OPTIONS = ('dropout', 'checkpoint', 'init_std')
 def vocab_split() -> int:
     """How many parts the launched layout cuts the vocabulary into (1 when not launched)."""
     from colossal_lite.context import current_context
-    from colossal_lite.families import family
+    from colossal_lite.config.families import family
     layout = current_context().layout
     return 1 if layout is None else family(layout.mode).vocab_split(layout)
 

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ...context import ParallelMode, ProcessGroupAxis, current_context
-from ...families import family
+from ...config.families import family
 from .. import _grid
 
 

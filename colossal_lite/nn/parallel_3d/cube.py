@@ -29,7 +29,7 @@ from ...communication import collective as C
 from ...communication import gather_from
 from ...communication.p2p import recv, send
 from ...context import ParallelMode, ProcessGroupAxis, current_context
-from ...families import family
+from ...config.families import family
 from .._grid import split_dim
 
 _ROLES = ('input', 'weight', 'output', 'input_x_weight', 'output_x_weight')

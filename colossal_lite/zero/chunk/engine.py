@@ -35,13 +35,15 @@ installs the hooks and returns the Engine's ``(amp, gradient_handler)``:
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ...amp import FullPrecision
 from ...communication import collective as C
-from ...context import ParallelMode, global_context as gpc
+from ...config import AmpSettings, ZeroSettings
+from ...context import ParallelMode
+from ...context import global_context as gpc
 from ...engine.gradient_handler import data_parallel_axis
 from ...nn.optimizer import CPUAdam, adam_step
 from ...tensor import param_placement
@@ -54,20 +56,6 @@ from .lazy import has_meta_parameters, init_shard, swap_meta_parameters
 from .manager import ChunkManager
 from .search import search_chunk_size
 from .tracer import MemoryTracer
-
-
-def check_chunk_zero(cfg: Mapping):
-    """What stage 3 does not run yet raises NotImplementedError (no communication)."""
-    from ...settings import parse_settings
-    settings = parse_settings(cfg)
-    if (settings.amp.as_dict() or {}).get('mode') == 'apex':
-        raise NotImplementedError("fp16 mode 'apex' is not supported with ZeRO (apex amp keeps "
-                                  "its own unsharded master weights); use mode 'torch' or 'naive'")
-    pipe = settings.pipeline
-    if pipe.size > 1 and (pipe.schedule == 'zero_bubble' or pipe.chunks > 1):
-        raise NotImplementedError(f"ZeRO stage 3 with pipeline parallelism runs the 'gpipe' and "
-                                  f"'1f1b' schedules with one stage per rank, got schedule "
-                                  f"{pipe.schedule!r} with chunks = {pipe.chunks}")
 
 
 class ChunkGradientHandler:
@@ -443,12 +431,11 @@ def _meta_init(names: Dict[int, str]):
     return init
 
 
-def build_chunk_zero(settings, cfg: Mapping, model: torch.nn.Module,
+def build_chunk_zero(settings: ZeroSettings, amp_settings: AmpSettings, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer
                      ) -> Tuple[FullPrecision, ChunkGradientHandler]:
     """``(amp, gradient_handler)`` for ``zero=dict(stage=3, ...)`` (``model`` on its device
     and equal on every replica)."""
-    check_chunk_zero(cfg)
     check_optimizer(optimizer)
     lazy = has_meta_parameters(model) and swap_meta_parameters(model, optimizer, gpc.device)
     ordered, seen = [], set()
@@ -475,7 +462,7 @@ def build_chunk_zero(settings, cfg: Mapping, model: torch.nn.Module,
     handler = ChunkGradientHandler(manager, hooks.finish_trace)
     zero = ChunkOptimizer(optimizer, names, manager, handler)
     zero.hooks, zero.margin_ratio = hooks, settings.device_margin_ratio
-    amp = zero_amp(cfg.get('fp16'), model, zero)   # naive: casts the model to fp16/bf16
+    amp = zero_amp(amp_settings, model, zero)   # naive: casts the model to fp16/bf16
     for chunk in manager.chunks:                    # fp16/bf16 chunks, fp32 masters
         chunk.set_dtype(chunk.params[0].dtype)
     return amp, handler

@@ -15,29 +15,29 @@ is the rank's shards plus the largest single full parameter. No communication.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Mapping, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
+from ...config.zero import ZeroSettings
 from ...tensor.init import INIT_ATTR, _replace_parameter, materialize, name_seed
 from ...tensor.placement import placement_of, set_placement
-from ..config import parse_zero
 
 
 def has_meta_parameters(model: torch.nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def building_into_chunks(cfg: Mapping):
+def building_into_chunks(zero: Optional[ZeroSettings]):
     """A context to build a model in: the meta device under ``zero=dict(stage=3)`` (the
-    model is then materialized into its chunk shards by ``initialize()``), else nothing."""
-    settings = parse_zero(cfg.get('zero'))
-    if settings is not None and settings.stage == 3:
+    settings' ``zero`` section; the model is then materialized into its chunk shards by
+    ``initialize()``), else nothing."""
+    if zero is not None and zero.stage == 3:
         return torch.device('meta')
     return contextlib.nullcontext()
 
 
-def check_meta_model(cfg: Mapping, model: torch.nn.Module) -> bool:
+def check_meta_model(zero: Optional[ZeroSettings], model: torch.nn.Module) -> bool:
     """Whether ``model`` is to be built into chunks: it has meta parameters, each with an
     init recipe, and no meta buffer. A meta model with plain torch layers (no recipe) or
     meta buffers is materialized whole (``materialize``: by name, as ``init_by_name``
@@ -46,11 +46,10 @@ def check_meta_model(cfg: Mapping, model: torch.nn.Module) -> bool:
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if not meta:
         return False
-    settings = parse_zero(cfg.get('zero'))
-    if settings is None or settings.stage != 3:
+    if zero is None or zero.stage != 3:
         raise ValueError(f'a model built on the meta device ({len(meta)} meta parameter(s), e.g. '
                          f'{meta[0]!r}) is materialized only by zero=dict(stage=3), got '
-                         f'zero = {cfg.get("zero")!r}; build it outside the meta device')
+                         f'zero = {zero!r}; build it outside the meta device')
     if any(p.is_meta and getattr(p, INIT_ATTR, None) is None for p in model.parameters()) or \
             any(b.is_meta for b in model.buffers()):
         materialize(model)

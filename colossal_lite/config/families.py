@@ -19,18 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
-from .context.parallel_mode import ParallelMode as PM
+from .modes import ParallelMode as PM
 
 Sizes = Callable[['object'], int]  # layout -> int
-
-
-def integer_root(n: int, power: int) -> Optional[int]:
-    """r with r**power == n, or None."""
-    root = round(n ** (1.0 / power))
-    for cand in (root - 1, root, root + 1):
-        if cand >= 1 and cand ** power == n:
-            return cand
-    return None
 
 
 @dataclass(frozen=True)

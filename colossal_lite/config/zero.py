@@ -32,7 +32,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from ..config import ConfigError, _check_keys, _positive_finite
+from .checks import (ConfigError, check_keys, count, flag, is_positive_finite, mapping,
+                     positive_number)
 
 STAGES = (1, 2, 3)
 PLACEMENTS = ('device', 'cpu', 'static', 'auto')
@@ -61,30 +62,6 @@ class ZeroSettings:
         return max(1, int(self.bucket_mb * 1024 * 1024))
 
 
-def _bool(section: Mapping, key: str, default: bool) -> bool:
-    value = section.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"'zero.{key}' must be True or False, got {value!r}")
-    return value
-
-
-def _positive(section: Mapping, key: str, default, allow_none: bool = False):
-    value = section.get(key, default)
-    if value is None and allow_none:
-        return None
-    if not _positive_finite(value):
-        raise ConfigError(f"'zero.{key}' must be a positive finite number"
-                          f"{' or None' if allow_none else ''}, got {value!r}")
-    return float(value)
-
-
-def _count(section: Mapping, key: str, default: int) -> int:
-    value = section.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ConfigError(f"'zero.{key}' must be an integer >= 0, got {value!r}")
-    return int(value)
-
-
 def _stage(section: Mapping) -> int:
     if 'stage' not in section:
         raise ConfigError(f"'zero' needs 'zero.stage' (one of {list(STAGES)}), got keys "
@@ -108,15 +85,16 @@ def parse_zero(section: Optional[Mapping]) -> Optional[ZeroSettings]:
     """The validated ``zero`` section (None when the section is None)."""
     if section is None:
         return None
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"'zero' must be a dict like dict(stage=2), got {section!r}")
-    _check_keys(section, KEYS, 'zero.')
+    section = mapping(section, 'zero', 'dict(stage=2)')
+    check_keys(section, KEYS, 'zero.')
     stage = _stage(section)
     _reject_other_family(section, stage)
     if stage < 3:
-        return ZeroSettings(stage=stage, bucket_mb=_positive(section, 'bucket_mb', 25.0),
-                            overlap=_bool(section, 'overlap', True),
-                            offload_optimizer=_bool(section, 'offload_optimizer', False))
+        return ZeroSettings(stage=stage,
+                            bucket_mb=positive_number(section.get('bucket_mb', 25.0), 'zero.bucket_mb'),
+                            overlap=flag(section.get('overlap', True), 'zero.overlap'),
+                            offload_optimizer=flag(section.get('offload_optimizer', False),
+                                                   'zero.offload_optimizer'))
     placement = section.get('placement', 'device')
     if placement not in PLACEMENTS:
         raise ConfigError(f"'zero.placement' must be one of {list(PLACEMENTS)}, got {placement!r}")
@@ -124,7 +102,7 @@ def parse_zero(section: Optional[Mapping]) -> Optional[ZeroSettings]:
     if 'device_fraction' in section and placement != 'static':
         raise ConfigError(f"'zero.device_fraction' = {fraction!r} applies only to "
                           f"placement 'static', got placement {placement!r}")
-    if not (_positive_finite(fraction) and fraction <= 1):
+    if not (is_positive_finite(fraction) and fraction <= 1):
         raise ConfigError(f"'zero.device_fraction' must be in (0, 1], got {fraction!r}")
     ratio = section.get('device_margin_ratio', 0.0)
     if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 <= ratio <= 1:
@@ -132,8 +110,10 @@ def parse_zero(section: Optional[Mapping]) -> Optional[ZeroSettings]:
     if ratio and placement == 'device':
         raise ConfigError(f"'zero.device_margin_ratio' = {ratio!r} moves CPU master shards to "
                           f"the device, but placement 'device' has none on the CPU")
-    counts = {key: _count(section, key, 1) for key in ('keep_gathered', 'prefetch')}
+    counts = {key: count(section.get(key, 1), f'zero.{key}') for key in ('keep_gathered', 'prefetch')}
     return ZeroSettings(stage=3, placement=placement, **counts,
-                        device_memory_limit=_positive(section, 'device_memory_limit', None, True),
-                        chunk_size_mb=_positive(section, 'chunk_size_mb', None, True),
+                        device_memory_limit=positive_number(section.get('device_memory_limit'),
+                                                            'zero.device_memory_limit', True),
+                        chunk_size_mb=positive_number(section.get('chunk_size_mb'),
+                                                      'zero.chunk_size_mb', True),
                         device_fraction=float(fraction), device_margin_ratio=float(ratio))

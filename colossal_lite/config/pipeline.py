@@ -13,7 +13,7 @@ embeddings on the first stage and heads on the last counted), ``cost`` (balanced
 forward+backward time per layer) or an explicit list ``[n_0, ..., n_{P*V-1}]`` of blocks per
 stage (kept as a tuple; its length is checked here). What needs the model (more stages than
 layers, an explicit cut summing to the layer count) is checked where the model is known
-(``job.check_layout`` in the CLI's parent and the model's constructor).
+(``job.checks.check_layout`` in the CLI's parent and the model's constructor).
 """
 from __future__ import annotations
 
@@ -21,20 +21,12 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, Tuple, Union
 
-SCHEDULES = ('1f1b', 'gpipe', 'interleaved', 'zero_bubble')
+from .checks import ConfigError, check_keys, positive_int
+from .schedules import DEFAULT as DEFAULT_SCHEDULE
+from .schedules import SCHEDULES, check_schedule, default_schedule
+
 PARTITIONS = ('uniform', 'parameters', 'cost')
 _KEYS = {'size', 'chunks', 'schedule', 'partition'}
-
-
-def _config_error(message: str):
-    from ..config import ConfigError
-    return ConfigError(message)
-
-
-def _positive_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise _config_error(f"'{key}' must be a positive integer, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -43,7 +35,7 @@ class PipelineSettings:
 
     size: int = 1
     chunks: int = 1
-    schedule: str = '1f1b'
+    schedule: str = DEFAULT_SCHEDULE
     partition: Union[str, Tuple[int, ...]] = 'uniform'
     num_microbatches: int = 1
 
@@ -59,34 +51,22 @@ def parse_pipeline(config: Mapping) -> PipelineSettings:
     parallel = config.get('parallel') or {}
     raw = parallel.get('pipeline', 1) if isinstance(parallel, Mapping) else 1
     if isinstance(raw, Mapping):
-        unknown = set(raw) - _KEYS
-        if unknown:
-            from ..config import _suggest
-            key = sorted(unknown)[0]
-            raise _config_error(f"unknown config key 'parallel.pipeline.{key}'"
-                                f"{_suggest(key, _KEYS)}")
-        size = _positive_int(raw.get('size', 1), 'parallel.pipeline.size')
-        chunks = _positive_int(raw.get('chunks', 1), 'parallel.pipeline.chunks')
-        schedule = raw.get('schedule', 'interleaved' if chunks > 1 else '1f1b')
+        check_keys(raw, _KEYS, 'parallel.pipeline.')
+        size = positive_int(raw.get('size', 1), 'parallel.pipeline.size')
+        chunks = positive_int(raw.get('chunks', 1), 'parallel.pipeline.chunks')
+        schedule = raw.get('schedule', default_schedule(chunks))
         partition = raw.get('partition', 'uniform')
     else:
-        size = _positive_int(raw, 'parallel.pipeline')
-        chunks, schedule, partition = 1, '1f1b', 'uniform'
+        size = positive_int(raw, 'parallel.pipeline')
+        chunks, schedule, partition = 1, default_schedule(), 'uniform'
     if schedule not in SCHEDULES:
-        raise _config_error(f"'parallel.pipeline.schedule' must be one of {list(SCHEDULES)}, "
-                            f"got {schedule!r}")
+        raise ConfigError(check_schedule(schedule, size, chunks, 1))
     partition = _partition(partition, size * chunks)
-    micro = _microbatches(config)
-    if chunks > 1 and schedule != 'interleaved':
-        raise _config_error(f"'parallel.pipeline.chunks' = {chunks} needs schedule "
-                            f"'interleaved' (schedule {schedule!r} runs one stage per rank)")
-    if size > 1:
-        if schedule in ('1f1b', 'interleaved', 'zero_bubble') and micro < size:
-            raise _config_error(f"pipeline schedule {schedule!r} needs num_microbatches >= "
-                                f"pipeline size {size}, got num_microbatches = {micro}")
-        if schedule == 'interleaved' and micro % size:
-            raise _config_error(f"the interleaved schedule needs num_microbatches divisible by "
-                                f"the pipeline size {size}, got num_microbatches = {micro}")
+    micro = resolve_microbatches(config.get('num_microbatches'),
+                                 config.get('gradient_accumulation'))
+    problem = check_schedule(schedule, size, chunks, micro)
+    if problem:
+        raise ConfigError(problem)
     return PipelineSettings(size, chunks, schedule, partition, micro)
 
 
@@ -95,26 +75,29 @@ def _partition(value: Any, stages: int) -> Union[str, Tuple[int, ...]]:
     key = 'parallel.pipeline.partition'
     if isinstance(value, (list, tuple)):
         if len(value) != stages:
-            raise _config_error(f"'{key}' = {list(value)} must list the blocks of each of the "
+            raise ConfigError(f"'{key}' = {list(value)} must list the blocks of each of the "
                                 f"{stages} pipeline stages (size x chunks), got {len(value)} "
                                 f"entries")
         bad = [n for n in value if isinstance(n, bool) or not isinstance(n, numbers.Integral)
                or n < 1]
         if bad:
-            raise _config_error(f"'{key}' = {list(value)}: every stage needs a positive integer "
+            raise ConfigError(f"'{key}' = {list(value)}: every stage needs a positive integer "
                                 f"number of blocks, got {bad[0]!r}")
         return tuple(int(n) for n in value)
     if not isinstance(value, str) or value not in PARTITIONS:
-        raise _config_error(f"'{key}' must be one of {list(PARTITIONS)} or a list of blocks per "
+        raise ConfigError(f"'{key}' must be one of {list(PARTITIONS)} or a list of blocks per "
                             f"stage, got {value!r}")
     return value
 
 
-def _microbatches(config: Mapping) -> int:
-    given = {key: _positive_int(config[key], key)
-             for key in ('num_microbatches', 'gradient_accumulation') if config.get(key) is not None}
+def resolve_microbatches(num_microbatches=None, gradient_accumulation=None) -> int:
+    """M from ``num_microbatches`` or its alias ``gradient_accumulation`` (1 when neither):
+    the one place the alias is resolved (the config's keys and ``Engine``'s arguments)."""
+    given = {key: positive_int(value, key) for key, value in
+             (('num_microbatches', num_microbatches), ('gradient_accumulation', gradient_accumulation))
+             if value is not None}
     if len(set(given.values())) > 1:
-        raise _config_error(f"'num_microbatches' = {given['num_microbatches']} and its alias "
-                            f"'gradient_accumulation' = {given['gradient_accumulation']} differ; "
-                            f"give one")
+        raise ConfigError(f"'num_microbatches' = {given['num_microbatches']} and its alias "
+                          f"'gradient_accumulation' = {given['gradient_accumulation']} differ; "
+                          f"give one")
     return next(iter(given.values()), 1)
