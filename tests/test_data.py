@@ -102,14 +102,15 @@ LINES = ['First Citizen: Before we proceed any further, hear me speak.',
 
 def _hf(tmp_path, **changes):
     """A parsed ``hf`` data section over a local text file of LINES (cache in tmp_path)."""
+    from colossal_lite.config.job import DataSection, TokenizerSection
     text = tmp_path / 'corpus.txt'
     if not text.exists():
         text.write_text('\n'.join(LINES) + '\n')
-    data = dict(type='hf', path='text', data_files=str(text), split='train', text_column='text',
+    data = dict(path='text', data_files=str(text), split='train', text_column='text',
                 seq_len=16, val_fraction=0.1, tokenizer=dict(type='bpe', vocab_size=300),
                 cache_dir=str(tmp_path / 'cache'))
     data.update(changes)
-    return data
+    return DataSection('hf', tokenizer=TokenizerSection(**data.pop('tokenizer')), **data)
 
 
 def test_text_file_is_tokenized_and_packed_into_blocks_that_decode_to_the_text(tmp_path):
