@@ -228,7 +228,10 @@ def measure(name, batch, limit, chunk_mb) -> dict:
             'build_s': build_s, **info()}
 
 
-def worker(rank, order, limit, chunk_mb, seed):
+def worker(rank, order, limit, chunk_mb, seed, quick=False):
+    global SHAPE, STEPS
+    if quick:   # main()'s --quick: a rank is not a fork of main's process, it sets its own
+        SHAPE, STEPS = QUICK_SHAPE, 1
     torch.manual_seed(seed + rank)
     ids = torch.randint(0, SHAPE['vocab_size'], (BATCH, SEQ))
     out = {'params': sum(p.numel() for p in build_model().parameters())}
@@ -336,7 +339,7 @@ def main():
         per_rank = [{} for _ in range(world)]
         for name in order:  # each variant in fresh ranks: nothing of the last one stays resident
             for mine, got in zip(per_rank, run_distributed(
-                    worker, world, {}, [name], limit, chunk_mb, 1, timeout=1800,
+                    worker, world, {}, [name], limit, chunk_mb, 1, args.quick, timeout=1800,
                     collective_timeout=600)):
                 mine.update(got)
         payload['load_average_during'][world] = {'before': load0, 'after': load_average()}

@@ -3,11 +3,12 @@
 
 ``train`` checks the config, that N processes fit its parallel layout and that the
 model splits over it (a build on the meta device) in the calling process, prepares the
-data, then starts N local workers through torch's elastic launcher -- the code path of ``torchrun --standalone --nproc-per-node N`` -- with
-gloo on CPU and ``OMP_NUM_THREADS=1`` per worker. Each worker calls
+data, then starts N local workers with ``colossal_lite.launcher.run_workers`` (torch's
+elastic launcher, the code path of ``torchrun --standalone --nproc-per-node N``; spawned
+workers, gloo on CPU, ``OMP_NUM_THREADS=1``). Each worker calls
 ``launch_from_torch(config)`` and trains the job of the config's ``model``,
 ``data``, ``train``, ``optimizer`` and ``lr_scheduler`` sections (see
-``colossal_lite/job.py``) through ``initialize`` and ``Trainer``. Rank 0 prints the
+``colossal_lite/job/``) through ``initialize`` and ``Trainer``. Rank 0 prints the
 loss every ``train.log_every`` steps, then tokens/s (or samples/s), peak memory
 per rank, bytes communicated per ParallelMode and a summary line.
 
@@ -25,17 +26,17 @@ installing the package: ``python -m colossal_lite.cli train CONFIG``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
 import sys
-import uuid
 from typing import List, Optional
 
 from ._version import __version__
+from .commands import add_parsers
 from .config import ConfigError, load_config
 from .job import check_data, check_layout, check_paths, prepare_data
+from .launcher import run_workers
 from .run_state import saved_step
+from .worker import worker_main
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +58,6 @@ def _parser() -> argparse.ArgumentParser:
                        help='restart a failed group up to N times, each from the last complete '
                             "checkpoint in the config's checkpoint.path (default 0)")
     train.set_defaults(run=train_command)
-    from .commands import add_parsers
     add_parsers(sub)
     return parser
 
@@ -106,17 +106,6 @@ def _with_nproc(layout, nproc: int):
         raise ConfigError(f'{err}: run with --nproc {need}') from None
 
 
-def start_method() -> str:
-    """'spawn': every worker a fresh interpreter, a direct child of the launcher (what
-    ``FirstExit`` watches). Not 'fork', though forked workers start in a fraction of the
-    time on CPU: a child forked while another thread of the launching process held a libc
-    lock waits on it forever (caught in a hung suite run: a worker stuck in getaddrinfo on
-    the resolver's lock, its peers waiting for it in gloo's rendezvous), and a child forked
-    after an OpenMP region with 2 threads hangs in its first 2-thread op; and no fork after
-    a CUDA context."""
-    return 'spawn'
-
-
 def train_command(args, entrypoint=None) -> int:
     """Check the job, run ``entrypoint(config_path, steps[, resume])`` (default: the trainer
     of ``colossal_lite.worker``; ``resume`` only with ``--resume``) on ``args.nproc``
@@ -134,61 +123,10 @@ def train_command(args, entrypoint=None) -> int:
         return 2
     print(f'colossal-lite: {spec.kind} on {args.nproc} process(es), layout data={layout.data} '
           f'pipeline={layout.pipeline} tensor={layout.tensor} ({layout.mode or "none"})', flush=True)
-    if entrypoint is None:
-        from .worker import worker_main as entrypoint
+    entrypoint = entrypoint or worker_main
     entry_args = (os.path.abspath(args.config), args.steps) + ((resume,) if resume else ())
-    return run_local_workers(args.nproc, args.port, entrypoint, *entry_args, what='training',
-                             max_restarts=restarts)
-
-
-def run_local_workers(nproc: int, port: int, entrypoint, *entry_args, what: str = 'the run',
-                      max_restarts: int = 0) -> int:
-    """Run ``entrypoint(*entry_args)`` on ``nproc`` local processes through torch's elastic
-    launcher (``OMP_NUM_THREADS=1``, rendezvous on ``127.0.0.1:port``); the exit status: 0,
-    1 when a worker failed (one line per failed rank on stderr), 130 on Ctrl-C. Meanwhile
-    ``kill -USR1`` on the launcher or on a worker prints that process's stacks on stderr."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    os.environ['OMP_NUM_THREADS'] = '1'
-    logging.getLogger('torch.distributed.elastic').setLevel(logging.CRITICAL)  # we report failures
-    launch_config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend='c10d', rdzv_endpoint=f'127.0.0.1:{port}', max_restarts=max_restarts,
-        monitor_interval=0.2, start_method=start_method())
-    from .failures import FirstExit, failure_message, run_worker, stacks_on_sigusr1
-    try:
-        with FirstExit() as first_exit, _fresh_store_per_attempt(max_restarts), \
-                stacks_on_sigusr1():
-            elastic_launch(launch_config, run_worker)(entrypoint, *entry_args)
-    except ChildFailedError as err:
-        print(f'colossal-lite: {what} stopped, every process was ended:\n'
-              f'{failure_message(err, first_exit)}', file=sys.stderr)
-        return 1
-    except (KeyboardInterrupt, SignalException) as exc:
-        print(f'colossal-lite: interrupted ({exc}); every process was ended', file=sys.stderr)
-        return 130
-    return 0
-
-
-@contextlib.contextmanager
-def _fresh_store_per_attempt(max_restarts: int):
-    """With restarts, each attempt's workers get a new TCPStore (hosted by rank 0) instead
-    of the agent's shared one, whose keys from the failed attempt (the old gloo addresses)
-    would make the restarted ranks connect to dead peers: torch's
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for the duration of the launch."""
-    key = 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE'
-    old = os.environ.get(key)
-    if max_restarts:
-        os.environ[key] = '1'
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
+    return run_workers(args.nproc, args.port, entrypoint, *entry_args, what='training',
+                       max_restarts=restarts)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -58,3 +58,10 @@ def test_a_planted_upward_import_and_circle_are_caught(tree):
 def test_layers_name_each_prefix_once():
     prefixes = [p for layer in LAYERS for p in layer]
     assert len(prefixes) == len(set(prefixes))
+
+
+def test_library_modules_are_imported_at_module_level(tree):
+    """With no circle left, no import of a library module needs to hide inside a function
+    (imports of optional third-party packages may)."""
+    local = [e for e in import_graph(tree) if e.local]
+    assert not local, 'imports of library modules inside functions:\n' + _show(local)

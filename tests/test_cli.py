@@ -93,19 +93,19 @@ def _tiny_namespace():
 
 
 def test_dp2_tp2_run_prints_the_serial_losses_and_the_report(tmp_path):
+    _check_dp2_tp2_run(tmp_path)
+
+
+def _check_dp2_tp2_run(tmp_path, serial=None):
+    """``colossal-lite train TINY --nproc 4`` in a fresh process: exit 0, the serial model's
+    losses, the report. A hang fails at once with every process's stacks."""
     path = _write(tmp_path, TINY)
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1')
     cmd = [sys.executable, '-m', 'colossal_lite.cli', 'train', path, '--nproc', '4']
     run = _run_dumping_stacks_on_timeout(cmd, tmp_path, env, 140)
-    if run is None:
-        # the hang seen in clean-clone suite runs (a forked worker stuck on a libc lock held
-        # at the fork; workers are spawned since, see cli.start_method): kept as one fresh
-        # attempt with the same assertions; the hung run's stacks are in the warning
-        run = _run_dumping_stacks_on_timeout(cmd, tmp_path, env, 140)
-    assert run is not None, 'the CLI hung twice; stacks in the warnings'
     out = run.stdout
     assert run.returncode == 0, run.stdout + run.stderr
-    serial = _serial_losses(4)
+    serial = serial or _serial_losses(4)
     printed = [float(x) for x in re.findall(r'^step=\d+ epoch=0 loss=([\d.]+)', out, re.M)]
     assert printed == pytest.approx([serial[1], serial[3]], abs=1e-3)
     first, last = map(float, re.search(r'first_loss=([\d.]+) last_loss=([\d.]+)', out).groups())
@@ -134,13 +134,12 @@ def _process_tree(pid):
 
 
 def _run_dumping_stacks_on_timeout(cmd, cwd, env, timeout):
-    """``subprocess.run(cmd, capture_output=True, text=True)``, or None after ``timeout``
-    seconds: then the CLI and its workers print their stacks (SIGUSR1, see
-    ``failures.stacks_on_sigusr1``), all are killed (not only the CLI) and their output is
-    given as a warning (and kept in ``cwd/hang.txt``)."""
+    """``subprocess.run(cmd, capture_output=True, text=True)``; after ``timeout`` seconds the
+    test fails: the command and every process under it print their Python stacks (SIGUSR1,
+    see ``launcher.failures.stacks_on_sigusr1``), all are killed, and the failure shows
+    what they printed (also kept in ``cwd/hang.txt``)."""
     import signal
     import time
-    import warnings
     proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -156,10 +155,9 @@ def _run_dumping_stacks_on_timeout(cmd, cwd, env, timeout):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate()
-        report = f'CLI hung after {timeout} s; processes {tree}\nstdout:\n{out}\nstderr:\n{err}'
+        report = f'hung after {timeout} s; processes {tree}\nstdout:\n{out}\nstderr:\n{err}'
         (cwd / 'hang.txt').write_text(report)
-        warnings.warn(report)
-        return None
+        pytest.fail(f'{" ".join(cmd)}: {report}', pytrace=False)
 
 
 def _expected_mib(ranks=4, steps=4, eval_batches=2, b=4, s=16, h=32, layers=1, vocab=256,
@@ -478,8 +476,7 @@ def test_bad_data_fails_in_the_parent_naming_the_key(tmp_path, monkeypatch, caps
 
 
 # ---------------------------------------------------------------------------- as a new user meets it
-# A fresh process (not pytest's, whose threads from earlier tests a forked worker could
-# inherit mid-lock) that first leaves an exited, unreaped child of its own, then runs the CLI.
+# A fresh process that first leaves an exited, unreaped child of its own, then runs the CLI.
 _WITH_ZOMBIE = ('import os, sys\n'
                 'if os.fork() == 0:\n'
                 '    os._exit(0)      # a zombie until the end: FirstExit must ignore it\n'
@@ -617,8 +614,7 @@ def test_install_prefers_the_cpu_wheel_without_a_gpu_and_falls_back_to_the_defau
 _PARALLEL_FIRST = '''
 import sys
 import torch
-from colossal_lite import cli
-from colossal_lite.testing.distributed import free_port
+from colossal_lite.launcher import free_port, run_workers
 
 
 def parallel_op_first():
@@ -633,19 +629,18 @@ if __name__ == '__main__':
     a = torch.randn(1500, 1500)
     (a @ a).sum()
     torch.randn(1 << 22).exp_()   # this process has run OpenMP with 2 threads: a team exists
-    sys.exit(cli.run_local_workers(2, free_port(), parallel_op_first))
+    sys.exit(run_workers(2, free_port(), parallel_op_first))
 '''
 
 
 def test_workers_started_after_a_parallel_op_do_not_hang(tmp_path):
     """GNU libgomp after fork: a child whose parent ran an OpenMP region with 2 threads hangs
     in its own first parallel region with 2 threads (it has no team threads). Workers are
-    spawned, not forked (``cli.start_method``), and take ``OMP_NUM_THREADS`` first, so
+    spawned, not forked (``launcher.start_method``), and take ``OMP_NUM_THREADS`` first, so
     workers started from a process that already computed (a pytest process, a notebook)
     finish (with fork and neither measure this test hung)."""
     script = tmp_path / 'parallel_first.py'
     script.write_text(_PARALLEL_FIRST)
     env = dict(os.environ, PYTHONPATH=REPO)
     run = _run_dumping_stacks_on_timeout([sys.executable, str(script)], tmp_path, env, 90)
-    assert run is not None, 'the workers hung; stacks in the warning'
     assert run.returncode == 0, run.stdout + run.stderr

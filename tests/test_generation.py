@@ -291,11 +291,11 @@ def gpt_job(tmp_path_factory):
 @pytest.fixture
 def no_workers(monkeypatch):
     """Fail the test if a command starts its workers."""
-    from colossal_lite import cli
+    from colossal_lite import launcher
 
     def start(*args, **kwargs):
         raise AssertionError('a worker was started')
-    monkeypatch.setattr(cli, 'run_local_workers', start)
+    monkeypatch.setattr(launcher, 'run_workers', start)
 
 
 def _cli(argv, capfd):

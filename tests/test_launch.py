@@ -1,5 +1,4 @@
 """launch(): errors before any group exists, the context's queries, and per-mode seeds."""
-import multiprocessing as mp
 import os
 
 import pytest
@@ -74,7 +73,8 @@ def _torchrun_child(rank, port, queue):
 
 
 def test_launch_from_torch_environment():
-    ctx = mp.get_context('fork')
+    from colossal_lite.launcher.start import rank_context
+    ctx = rank_context()   # the launcher's start method for ranks (no fork of this process)
     queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_torchrun_child, args=(r, port, queue)) for r in range(2)]
     for p in procs:

@@ -2,8 +2,8 @@
 
 * α-β: each collective (all_reduce, all_gather, reduce_scatter, all_to_all; broadcast and
   reduce too) at group sizes 2 (consecutive ranks: the PARALLEL_1D groups of a 4-rank
-  world with 1D tensor size 2) and 4 (GLOBAL) on forked local gloo processes
-  (``testing.run_distributed``), timed over a few message sizes; :func:`fit_alpha_beta`
+  world with 1D tensor size 2) and 4 (GLOBAL) on local gloo processes
+  (``launcher.run_ranks``), timed over a few message sizes; :func:`fit_alpha_beta`
   fits ``t = alpha + beta * bytes`` by least squares; p2p as half a send/recv ping-pong
   between the two ranks of a pair. One machine is one node: every entry is ``intra``.
 * compute: forward and backward of one model_zoo ``TransformerLayer`` at a few batch sizes
@@ -39,7 +39,14 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from .. import communication as comm
+from ..context import ParallelMode
+from ..context import global_context as gpc
+from ..engine.gradient_handler import data_parallel_axis
+from ..launcher import run_ranks
+from ..models import get_model, load_entry_points, registered_models
 from .cluster import ClusterProfile
+from .model_spec import ModelShape
 
 OPS = ('all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', 'broadcast', 'reduce')
 SIZES = (1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 22)   # buffer bytes: small calls fix alpha
@@ -65,7 +72,6 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> Tuple[f
 
 
 def _one(op: str, elems: int, axis) -> None:
-    from .. import communication as comm
     x = torch.ones(elems)
     if op == 'all_reduce':
         comm.all_reduce(x, axis)
@@ -85,8 +91,6 @@ def _time_collectives(rank: int, sizes: Sequence[int], repeats: int) -> Dict[str
     """On every rank: one block's timings (every rank computing at once, as in training),
     then the median seconds of each op per (group size, buffer bytes)."""
     torch.set_num_threads(1)
-    from ..context import ParallelMode, global_context as gpc
-    from .. import communication as comm
     comm.barrier()
     per_tensor, per_param = measure_adam()
     out: Dict[str, dict] = {'block': measure_block(), 'adam_s_per_param': per_param,
@@ -130,8 +134,6 @@ def _time_skew(repeats: int, elems: int = 1024) -> Dict[str, List[float]]:
     (``bare``), and after the same fixed compute on every rank (``compute``: its seconds;
     ``total``: barrier to the all_reduce's end), as a training step's synchronizing
     collective follows its forward/backward."""
-    from .. import communication as comm
-    from ..context import ParallelMode, global_context as gpc
     axis = gpc.axis(ParallelMode.GLOBAL)
     x, a = torch.ones(elems), torch.full((128, 128), 0.01)
     out: Dict[str, List[float]] = {'bare': [], 'compute': [], 'total': []}
@@ -171,9 +173,8 @@ def measure_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS
                   ) -> Tuple[Dict[str, Dict[str, Dict[str, list]]], List[dict]]:
     """(``collectives`` table of a profile: op -> str(p) -> {'intra': [alpha, beta]},
     every rank's block timings)."""
-    from ..testing import run_distributed
     config = dict(parallel=dict(tensor=dict(size=2, mode='1d')))
-    results = run_distributed(_time_collectives, 4, config, tuple(sizes), repeats, timeout=300)
+    results = run_ranks(_time_collectives, 4, config, tuple(sizes), repeats, timeout=300)
     table: Dict[str, Dict[str, Dict[str, list]]] = {}
     for op in OPS + ('p2p',):
         for p, points in results[0][op].items():
@@ -220,7 +221,6 @@ def measure_adam(shapes: Sequence[Tuple[int, int]] = ADAM_SHAPES, repeats: int =
 def profile_kind() -> str:
     """The registered model whose blocks the profile times: the one entry registered with
     ``profile=True`` (``colossal_lite.models.ModelEntry``; entry points loaded first)."""
-    from ..models import get_model, load_entry_points, registered_models
     load_entry_points()
     kinds = [k for k in registered_models() if get_model(k).profile]
     if len(kinds) != 1:
@@ -231,7 +231,6 @@ def profile_kind() -> str:
 
 def _profile_model(kind: str = None, **options):
     """The profile's model (``kind``, default :func:`profile_kind`) built with ``options``."""
-    from ..models import get_model
     return get_model(kind or profile_kind()).builder(**options)
 
 
@@ -244,7 +243,6 @@ def measure_block(hidden: int = 128, heads: int = 4, seq: int = 64,
     block costs whatever its size: Python, dispatch, small kernels) and ``flops`` (the
     rate of the FLOP-proportional part). ``kind``: the model whose block is timed (default
     :func:`profile_kind`)."""
-    from .model_spec import ModelShape
     kind = kind or profile_kind()
     torch.manual_seed(0)
     model = _profile_model(kind, vocab_size=256, max_positions=seq, hidden=hidden, heads=heads,
@@ -282,7 +280,6 @@ FAMILY_REPEATS = 11
 
 def _family_shape(hidden: int = FAMILY_MODEL['hidden']):
     """The ``ModelShape`` of one ``FAMILY_MODEL`` block at width ``hidden`` (s = 64)."""
-    from .model_spec import ModelShape
     return ModelShape(profile_kind(), None,
                       tuple(sorted(dict(FAMILY_MODEL, hidden=hidden, layers=1).items())), 64)
 
@@ -301,8 +298,6 @@ def _time_family(rank: int, hiddens: Sequence[int], batches: Sequence[int], repe
     ``[backward end, sync end]`` per repeat, seconds from the barrier; ``'sync_group'`` the
     group's size."""
     torch.set_num_threads(1)
-    from .. import communication as comm
-    from ..engine.gradient_handler import data_parallel_axis
     axis = data_parallel_axis()
     out: Dict[str, List[float]] = {'sync_group': axis.size}
     for hidden in hiddens:
@@ -364,11 +359,12 @@ def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BAT
                      repeats: int = FAMILY_REPEATS, world: int = 4,
                      hiddens: Sequence[int] = FAMILY_HIDDENS
                      ) -> Tuple[Dict[str, Dict[str, dict]], Dict[str, Dict[str, list]]]:
-    """(family table, step-sync table). Per tensor family and size t on ``world`` forked
-    ranks (data = world / t): one real block's forward + backward, tensor-parallel
-    collectives included, as the difference of a 2-block and a 1-block model (per repeat
-    the slowest rank, the median over repeats), at 2 to 16 samples per replica and each
-    width of ``hiddens`` (``forward_s``: its forward's part, the same difference), fitted by
+    """(family table, step-sync table). Per tensor family and size t on ``world`` local
+    ranks (``launcher.run_ranks``; data = world / t): one real block's forward + backward,
+    tensor-parallel collectives included, as the difference of a 2-block and a 1-block
+    model (per repeat the slowest rank, the median over repeats), at 2 to 16 samples per
+    replica and each width of ``hiddens`` (``forward_s``: its forward's part, the same
+    difference), fitted by
     :func:`fit_alpha_beta` against the block's FLOPs: ``overhead`` (seconds per block and
     micro-batch whatever its size: Python, dispatch, the collectives' latencies) and
     ``seconds_per_flop``; and ``rest``: the 1-block model minus its block (embedding, head,
@@ -379,15 +375,14 @@ def measure_families(layouts=FAMILY_LAYOUTS, batches: Sequence[int] = FAMILY_BAT
     every family with one, fitted by :func:`fit_alpha_beta` per group size): what a step's
     gradient sync costs, which on ranks time-sharing cores is more than the collective
     timed alone (``collectives``)."""
-    from ..testing import run_distributed
     table: Dict[str, Dict[str, dict]] = {}
     sync_points: Dict[str, Dict[str, list]] = {}
     for mode, t in layouts:
         parallel = dict(data=world // t)
         if mode:
             parallel['tensor'] = dict(size=t, mode=mode)
-        per_rank = run_distributed(_time_family, world, dict(parallel=parallel),
-                                   tuple(hiddens), tuple(batches), repeats, timeout=600)
+        per_rank = run_ranks(_time_family, world, dict(parallel=parallel),
+                             tuple(hiddens), tuple(batches), repeats, timeout=600)
         group = str(per_rank[0]['sync_group'])
         for op, points in step_sync_points(per_rank).items():
             sync_points.setdefault(op, {}).setdefault(group, []).extend(points)

@@ -14,9 +14,14 @@ import argparse
 import sys
 from typing import Optional
 
+from ..checkpoint import load_model
 from ..checkpoint.job import job_settings
 from ..config import ConfigError, load_config, parse_parallel
+from ..context import global_context as gpc
+from ..data import ByteTokenizer
+from ..data.hf import get_tokenizer, load_texts
 from ..job import build_model, describe_model, resolve_vocab
+from ..worker import launch_worker as launch
 
 TRAINING_ONLY = ('parallel', 'zero', 'num_microbatches', 'gradient_accumulation')
 MODES = ('1d', '2d', '2.5d', '3d')
@@ -82,11 +87,9 @@ def job_tokenizer(spec):
     ``shakespeare``; for ``hf`` the job's tokenizer (``data/hf.py``: the file, or the BPE
     trained into ``train.run_dir``, retrained from the job's text when it is not there)."""
     if spec.data_type == 'shakespeare':
-        from ..data import ByteTokenizer
         tok = ByteTokenizer()
         return (lambda text: tok.encode(text).tolist()), tok.decode
     if spec.data_type == 'hf':
-        from ..data.hf import get_tokenizer, load_texts
         texts = None if spec.data.tokenizer.type == 'file' else load_texts(spec.data)
         tok = get_tokenizer(spec.data, texts, spec.run_dir)
         return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(list(ids)))
@@ -108,9 +111,6 @@ def launch_worker(ckpt: str, nproc: int, mode: Optional[str], depth: Optional[in
     """On a worker: launch the checkpoint's job under the tensor layout, build its model and
     load the checkpoint's weights into it (collective). Returns ``(cfg, model)``; the caller
     ends with ``gpc.destroy()``."""
-    from ..checkpoint import load_model
-    from ..context import global_context as gpc
-    from ..worker import launch_worker as launch
     cfg = inference_config(ckpt, nproc, mode, depth)
     launch(cfg)
     model = build_model(resolve_vocab(cfg.settings.job)).to(gpc.device)

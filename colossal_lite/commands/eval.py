@@ -14,6 +14,13 @@ from __future__ import annotations
 
 import os
 
+from .. import initialize
+from ..config import ConfigError
+from ..context import global_context as gpc
+from ..job import build_criterion, build_data, build_optimizer, check_layout, resolve_vocab
+from ..launcher import run_workers
+from ..trainer import Trainer
+from ..trainer import hooks as H
 from ._from_checkpoint import (PARENT_ERRORS, add_layout_arguments, fail, inference_config,
                                launch_worker)
 
@@ -30,8 +37,6 @@ def add_parser(subparsers) -> None:
 
 
 def prepare(args) -> None:
-    from ..config import ConfigError
-    from ..job import check_layout, resolve_vocab
     if args.batches is not None and args.batches < 1:
         raise ConfigError(f'--batches must be a positive integer, got {args.batches}')
     cfg = inference_config(args.checkpoint, args.nproc, args.tensor_mode, args.depth)
@@ -43,10 +48,9 @@ def run(args, entrypoint=None) -> int:
         prepare(args)
     except PARENT_ERRORS as err:
         return fail('eval', args.checkpoint, err)
-    from ..cli import run_local_workers
-    return run_local_workers(args.nproc, args.port, entrypoint or eval_worker,
-                             os.path.abspath(args.checkpoint), args.nproc, args.tensor_mode,
-                             args.depth, args.batches, what='evaluation')
+    return run_workers(args.nproc, args.port, entrypoint or eval_worker,
+                     os.path.abspath(args.checkpoint), args.nproc, args.tensor_mode,
+                     args.depth, args.batches, what='evaluation')
 
 
 def evaluate_loaded(cfg, model, batches=None) -> dict:
@@ -54,11 +58,6 @@ def evaluate_loaded(cfg, model, batches=None) -> dict:
     training run's evaluation (module doc). Collective."""
     import itertools
 
-    from .. import initialize
-    from ..context import global_context as gpc
-    from ..job import build_criterion, build_data, build_optimizer
-    from ..trainer import Trainer
-    from ..trainer import hooks as H
     spec = cfg.settings.job
     if batches is None and spec.is_text:
         batches = spec.train.eval_batches
@@ -72,7 +71,6 @@ def evaluate_loaded(cfg, model, batches=None) -> dict:
 
 def eval_worker(ckpt, nproc, mode, depth, batches):
     """One rank: load, evaluate; rank 0 prints the metrics."""
-    from ..context import global_context as gpc
     cfg, model = launch_worker(ckpt, nproc, mode, depth)
     try:
         metrics = evaluate_loaded(cfg, model, batches)

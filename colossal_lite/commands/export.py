@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
+from ..checkpoint import load_model
+from ..job import build_model, resolve_vocab
 from ._from_checkpoint import PARENT_ERRORS, fail, inference_config
 
 
@@ -25,8 +27,6 @@ def add_parser(subparsers) -> None:
 
 def export(ckpt: str, hf_dir: str) -> str:
     """Build the checkpoint's model serially, load it and ``save_hf(hf_dir)``; the directory."""
-    from ..checkpoint import load_model
-    from ..job import build_model, resolve_vocab
     cfg = inference_config(ckpt, 1)
     spec = resolve_vocab(cfg.settings.job)
     model = build_model(spec)

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import os
 
+from ..context import global_context as gpc
+from ..generation import check_arguments, generate
+from ..launcher import run_workers
 from ._from_checkpoint import (PARENT_ERRORS, add_layout_arguments, check_model, fail,
                                inference_config, job_tokenizer, launch_worker)
 
@@ -35,7 +38,6 @@ def add_parser(subparsers) -> None:
 
 def prepare(args):
     """Every check of the module doc; the prompt's token ids."""
-    from ..generation import check_arguments
     cfg = inference_config(args.checkpoint, args.nproc, args.tensor_mode, args.depth)
     model = check_model(cfg, args.nproc)
     spec = cfg.settings.job
@@ -53,19 +55,16 @@ def run(args, entrypoint=None) -> int:
         ids = prepare(args)
     except PARENT_ERRORS as err:
         return fail('generate', args.checkpoint, err)
-    from ..cli import run_local_workers
-    return run_local_workers(args.nproc, args.port, entrypoint or generate_worker,
-                             os.path.abspath(args.checkpoint), args.nproc, args.tensor_mode,
-                             args.depth, ids, args.tokens, args.top_k, args.temperature,
-                             args.seed, what='generation')
+    return run_workers(args.nproc, args.port, entrypoint or generate_worker,
+                     os.path.abspath(args.checkpoint), args.nproc, args.tensor_mode,
+                     args.depth, ids, args.tokens, args.top_k, args.temperature,
+                     args.seed, what='generation')
 
 
 def generate_worker(ckpt, nproc, mode, depth, ids, tokens, top_k, temperature, seed):
     """One rank: the model loaded in the layout, the tokens generated, rank 0 prints."""
     import torch
 
-    from ..context import global_context as gpc
-    from ..generation import generate
     cfg, model = launch_worker(ckpt, nproc, mode, depth)
     try:
         out = generate(model, torch.tensor(ids, dtype=torch.long), tokens, top_k=top_k,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 
+from ..auto import plan
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -32,7 +34,6 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..auto import plan
     try:
         result = plan(args.model, devices=args.devices, memory_gb=args.memory_gb,
                       cluster=args.cluster, batch=args.batch, seq=args.seq)

@@ -1,7 +1,7 @@
 """Which layer family implements each facade, by tensor-parallel mode.
 
 A family module registers its implementations with ``@register(mode, kind)``
-when imported (``families.py`` names the module of each mode; a family that reuses another family's layer registers it
+when imported (``config/families.py`` names the module of each mode; a family that reuses another family's layer registers it
 under its own mode explicitly; there is no silent fallback);
 :func:`implementation` imports the family of the launched mode on first use. Serial runs and pure data parallelism use the 1D family
 over a one-rank group, which computes exactly what plain torch layers do.

@@ -177,8 +177,6 @@ def measure_part_costs(build: Callable[[], nn.Module], sample: Callable[[], tupl
 def _time_stages(build, inputs, layout, repeats):
     import statistics
     import time
-
-    import torch
     stages = []
     for rank in range(3):
         with use_context(ParallelContext.describe(layout, rank)):
@@ -252,7 +250,7 @@ class StagedModel(nn.Module):
     def stage_start(self, spec: StageSpec, stage_input):
         """Check that a stage gets an activation exactly when it is not the first."""
         if spec.first and stage_input is not None:
-            raise ValueError(f'stage 0 starts from the inputs; got a stage_input')
+            raise ValueError('stage 0 starts from the inputs; got a stage_input')
         if not spec.first and stage_input is None:
             raise ValueError(f'stage {spec.index} of {spec.count} needs stage_input, the '
                              f'activation of stage {spec.index - 1}')

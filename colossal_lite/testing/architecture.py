@@ -29,7 +29,7 @@ LAYERS: Sequence[Tuple[str, ...]] = (
      'colossal_lite.generation'),
     ('colossal_lite.trainer',),
     ('colossal_lite.job', 'colossal_lite.run_state', 'colossal_lite.launcher',
-     'colossal_lite.failures', 'colossal_lite.testing'),
+     'colossal_lite.testing'),
     ('colossal_lite.auto', 'colossal_lite.worker'),
     ('colossal_lite.commands',),
     ('colossal_lite.cli',),

@@ -1,4 +1,4 @@
-"""Why a ``colossal-lite train`` run stopped: one line per failed rank, the cause first.
+"""Why a run of :func:`~.workers.run_workers` stopped: one line per failed rank, the cause first.
 
 The elastic launcher reports only the first failure it polls, which is often a rank whose
 collective broke *because* another rank died. Two records give the real order:
@@ -9,12 +9,13 @@ collective broke *because* another rank died. Two records give the real order:
   :class:`FirstExit` watches ``SIGCHLD`` in the launching process and, for each worker pid
   (each worker registers its pid in FirstExit's directory, :func:`run_worker`), peeks at
   its exit with ``waitid(P_PID, pid, WNOWAIT)`` (the child stays for the launcher to
-  reap): the workers' exits in the order they happened. Other children of the process
-  are never looked at; a worker the launcher reaped before the handler ran is recorded
-  then, its status taken from the launcher's failure record (``exitcode < 0``: minus the
-  signal number). :func:`run_worker` also writes each worker's pid beside its error file,
-  so a pid names a rank of an attempt (with ``--max-restarts`` only the failed last
-  attempt's workers are reported).
+  reap): the workers' exits in the order they happened. This needs the workers to be the
+  launching process's own children (spawned, ``start.start_method``). Other children of
+  the process are never looked at; a worker the launcher reaped before the handler ran is
+  recorded then, its status taken from the launcher's failure record (``exitcode < 0``:
+  minus the signal number). :func:`run_worker` also writes each worker's pid beside its
+  error file, so a pid names a rank of an attempt (with ``--max-restarts`` only the failed
+  last attempt's workers are reported).
 
 A rank killed by a signal is named first, then the ranks that raised, oldest first; the
 traceback of the first rank that raised is printed once (not after a kill: the others
@@ -31,27 +32,19 @@ import signal
 import tempfile
 from typing import List, Optional, Tuple
 
+from .start import dump_stacks_on_sigusr1, setup_process
+
 _PID_FILE = 'pid'
 _PID_DIR_ENV = 'COLOSSAL_LITE_WORKER_PIDS'
 REAPED = 'reaped'          # FirstExit status: the launcher reaped it before we looked
 
 
-def _dump_stacks_on_sigusr1() -> bool:
-    """``kill -USR1 PID`` makes this process print every thread's Python stack on file
-    descriptor 2 (``faulthandler``; fd 2 also under pytest's capture) and run on; False
-    (nothing done) when a SIGUSR1 handler is already set."""
-    if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:
-        return False
-    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
-    return True
-
-
 @contextlib.contextmanager
 def stacks_on_sigusr1():
-    """While inside, ``kill -USR1`` on this process prints its stacks
-    (:func:`_dump_stacks_on_sigusr1`; each worker sets the same in :func:`run_worker`), so a
-    hung run can tell where each process waits."""
-    registered = _dump_stacks_on_sigusr1()
+    """While inside, ``kill -USR1`` on this process prints its stacks on stderr
+    (``start.dump_stacks_on_sigusr1``; each worker sets the same in :func:`run_worker`), so
+    a hung run can tell where each process waits."""
+    registered = dump_stacks_on_sigusr1()
     try:
         yield
     finally:
@@ -60,15 +53,10 @@ def stacks_on_sigusr1():
 
 
 def run_worker(entrypoint, *args):
-    """Each worker's first call: torch's threads set to ``OMP_NUM_THREADS`` (the launcher
-    exports 1), its stacks printed on ``kill -USR1`` (a spawned worker inherits no handler),
-    note this process's pid beside its error file and in :class:`FirstExit`'s directory,
-    then run ``entrypoint(*args)``."""
-    _dump_stacks_on_sigusr1()
-    threads = os.environ.get('OMP_NUM_THREADS', '')
-    if threads.isdigit() and int(threads) > 0:
-        import torch
-        torch.set_num_threads(int(threads))
+    """Each worker's first call: ``start.setup_process`` (stacks on ``kill -USR1``, torch's
+    threads), note this process's pid beside its error file and in :class:`FirstExit`'s
+    directory, then run ``entrypoint(*args)``."""
+    setup_process()
     pid = str(os.getpid())
     error_file = os.environ.get('TORCHELASTIC_ERROR_FILE')
     if error_file:
