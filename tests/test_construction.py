@@ -1,6 +1,6 @@
 """Constructors only construct: building a model_zoo model issues no collective.
 
-One launched run of 4 ranks builds GPT, BERT and ViT ('tiny', 4 blocks) for a set of
+One launched run of 4 ranks (and one of 8 for 2.5D, 3D and pipeline x 2D) builds GPT, BERT and ViT ('tiny', 4 blocks) for a set of
 layouts -- data 4 (the serial model on every rank), data 2 x 1D t=2, 2D q=2, data 2 x
 sequence 2, pipeline 2 under every schedule (interleaved with chunks 2), pipeline 2 x 1D 2
 and pipeline 2 with ``partition='cost'`` after the explicit step
@@ -25,6 +25,12 @@ LAYOUTS = {
     'pipeline 2 x 1d 2': dict(pipeline=2, tensor=dict(size=2, mode='1d')),
     'pipeline 2 parameters': dict(pipeline=dict(size=2, partition='parameters')),
     'pipeline 2 cost': dict(pipeline=dict(size=2, partition='cost')),
+}
+LAYOUTS_8 = {  # the cube and the layered grid need 8 ranks
+    '2.5d q=2 depth 2': dict(tensor=dict(size=8, mode='2.5d', depth=2)),
+    '3d q=2': dict(tensor=dict(size=8, mode='3d')),
+    'pipeline 2 x 2d q=2': dict(pipeline=dict(size=2, schedule='1f1b'),
+                                tensor=dict(size=4, mode='2d')),
 }
 _COLLECTIVES = ('all_reduce', 'all_gather', 'all_gather_into_tensor', 'all_gather_object',
                 'broadcast', 'broadcast_object_list', 'reduce', 'reduce_scatter',
@@ -57,7 +63,7 @@ def _count_torch_collectives(calls: list):
     return undo
 
 
-def _build_everything(rank):
+def _build_everything(rank, layouts=LAYOUTS):
     from colossal_lite.communication import comm_profile
     from colossal_lite.config import load_config
     from colossal_lite.context import ParallelContext, global_context as gpc, use_context
@@ -68,7 +74,7 @@ def _build_everything(rank):
               (BERT, preset_config(BERT_PRESETS, 'tiny', dict(layers=4), 'BERT')),
               (ViT, preset_config(VIT_PRESETS, 'tiny', dict(layers=4), 'ViT'))]
     report = {}
-    for name, parallel in LAYOUTS.items():
+    for name, parallel in layouts.items():
         ctx = ParallelContext()
         ctx.device = gpc.device
         ctx.init_parallel_groups(load_config(dict(parallel=parallel, num_microbatches=4))
@@ -91,14 +97,25 @@ def _build_everything(rank):
     return report
 
 
-def test_building_models_issues_no_collective():
-    reports = run_distributed(_build_everything, 4, dict(), timeout=600)
+def _check_no_collective(reports, layouts):
     for rank, report in enumerate(reports):
-        assert list(report) == list(LAYOUTS)
+        assert list(report) == list(layouts)
         for name, got in report.items():
             assert got['library_calls'] == 0 and got['torch_calls'] == [], (rank, name, got)
             expected = {'GPT', 'BERT'} | ({'ViT'} if 'sequence' not in name else set())
             assert set(got['built']) == expected, (rank, name)
+
+
+def test_building_models_for_8_rank_layouts_issues_no_collective():
+    reports = run_distributed(_build_everything, 8, dict(), LAYOUTS_8, timeout=600)
+    _check_no_collective(reports, LAYOUTS_8)
+    held = [r['pipeline 2 x 2d q=2']['built']['GPT'] for r in reports]
+    assert sorted({i for stages in held for s in stages for i in s}) == [0, 1, 2, 3]
+
+
+def test_building_models_issues_no_collective():
+    reports = run_distributed(_build_everything, 4, dict(), timeout=600)
+    _check_no_collective(reports, LAYOUTS)
     # the pipeline layouts built only their stages; 'cost' cut alike on every rank
     for name in LAYOUTS:
         if not name.startswith('pipeline'):
