@@ -39,12 +39,6 @@ from .partition import StageSpec, balanced_cut, cut, explicit_cut, rank_stages
 Weights = Callable[[str], Tuple[float, object, float]]
 
 
-def pipeline_settings():
-    """(P, settings) of the current context (``ParallelContext.pipeline``)."""
-    ctx = current_context()
-    return ctx.pipeline.size, ctx.pipeline
-
-
 def my_stages(num_layers: int, weights: Optional[Weights] = None,
               cost_key: Optional[Hashable] = None) -> List[StageSpec]:
     """This rank's stages for a model of ``num_layers`` blocks under the current context;
@@ -55,7 +49,8 @@ def my_stages(num_layers: int, weights: Optional[Weights] = None,
     stored on the context under ``cost_key`` (:func:`partition_key`; a ValueError naming that
     step when it has not run); an explicit partition (a tuple of blocks per stage) is taken
     as is (a ValueError unless it sums to ``num_layers``)."""
-    size, settings = pipeline_settings()
+    settings = current_context().pipeline
+    size = settings.size
     if isinstance(settings.partition, tuple):  # an explicit cut: blocks per stage
         return _rank_stages(explicit_cut(settings.partition, num_layers), size)
     if settings.stages == 1:
@@ -94,7 +89,7 @@ def partition_key(model_cls, options: Mapping[str, Any]) -> Hashable:
     ``untimed_options`` (those the timing fixes, e.g. dropout)."""
     untimed = getattr(model_cls, 'untimed_options', ())
     kept = sorted((k, v) for k, v in _arguments(model_cls, options).items() if k not in untimed)
-    return (pipeline_settings()[1].stages, f'{model_cls.__module__}.{model_cls.__qualname__}',
+    return (current_context().pipeline.stages, f'{model_cls.__module__}.{model_cls.__qualname__}',
             repr(kept))
 
 
@@ -128,7 +123,7 @@ def resolve_partition(model_cls, **options) -> Optional[Tuple[int, ...]]:
     heaviest one (``partition.balanced_cut``) and keep the cut on the current context
     (``partition_cuts``), where the constructor reads it. Returns the cut, blocks per stage
     (a second call for the same model returns it without measuring)."""
-    size, settings = pipeline_settings()
+    settings = current_context().pipeline
     if settings.partition != 'cost' or settings.stages == 1:
         return None
     key = partition_key(model_cls, options)
@@ -213,7 +208,7 @@ class StagedModel(nn.Module):
         """Decide this rank's stages (``self.stages``); call before building any part.
         ``options``: the constructor's arguments, naming the cut :func:`resolve_partition`
         stored for ``partition='cost'``. No timing, no communication."""
-        cost = options is not None and pipeline_settings()[1].partition == 'cost'
+        cost = options is not None and current_context().pipeline.partition == 'cost'
         key = partition_key(type(self), options) if cost else None
         self.stages = my_stages(num_layers, weights, key)
         self.num_stages = self.stages[0].count
