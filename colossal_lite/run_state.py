@@ -25,7 +25,8 @@ import os
 import signal
 from typing import List, Optional
 
-from . import checkpoint
+import colossal_lite.checkpoint as checkpoint
+
 from .checkpoint.io import COMMON
 from .checkpoint.job import job_extra
 from .context import global_context as gpc

@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from . import run_state
+import colossal_lite.run_state as run_state
+
 from .communication import all_gather, all_reduce, total_stats
 from .config import ConfigError, Settings, load_config
 from .context import ParallelMode

@@ -44,7 +44,7 @@ def test_a_planted_upward_import_and_circle_are_caught(tree):
     planted = dict(tree)
     source, is_pkg = planted['colossal_lite.config.checks']
     planted['colossal_lite.config.checks'] = (
-        source + '\n\ndef _planted():\n    from ..auto import planner\n', is_pkg)
+        source + '\n\ndef _planted():\n    from ..auto.planner import plan\n', is_pkg)
     edges = import_graph(planted)
     before = set(upward_imports(import_graph(tree)))
     added = [e for e in upward_imports(edges) if e not in before]

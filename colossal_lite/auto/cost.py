@@ -53,18 +53,18 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import List, Optional, Sequence, Tuple
 
-from .. import formulas
+import colossal_lite.auto.offload as offload
+import colossal_lite.formulas as formulas
+
 from ..config import ParallelLayout
+from ..config.schedules import SCHEDULES
 from ..pipeline.partition import cut
 from ..zero.chunk.search import search_chunk_size
-from ..config.schedules import SCHEDULES
-from . import offload
 from .cluster import ClusterProfile
 from .memory import (DP_BUCKET_BYTES, RNG_STATE_BYTES, ZERO_BUCKET_BYTES, block_kept,
                      mlp_gradient_bytes, rank_memory)
 from .model_spec import ModelShape, layer_params, tensor_numels
-from .profile import (family_block_seconds, family_entry, family_forward_share,
-                      family_rest_seconds)
+from .profile import family_block_seconds, family_entry, family_forward_share, family_rest_seconds
 
 OVERLAP_SLOWDOWN = 1.3
 _block_bytes = lru_cache(maxsize=65536)(formulas.block_bytes)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
-from .. import formulas
+import colossal_lite.formulas as formulas
+
 from ..models import ModelTraits, PlannerShape, get_model, load_entry_points, registered_models
 
 Layer = Tuple[str, dict]   # (formulas kind, its dims)

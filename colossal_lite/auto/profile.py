@@ -39,7 +39,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .. import communication as comm
+import colossal_lite.communication as comm
+
 from ..context import ParallelMode
 from ..context import global_context as gpc
 from ..engine.gradient_handler import data_parallel_axis

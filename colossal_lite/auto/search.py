@@ -25,13 +25,14 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import colossal_lite.auto.offload as offload
+
 from ..config import ConfigError, ParallelLayout
 from ..config.checks import integer_root
 from ..config.families import family
 from ..config.job import DataSection, JobSpec, ModelSection, TrainSection
 from ..job.checks import check_rule
 from ..models import SizeRule
-from . import offload
 from .cluster import ClusterProfile
 from .cost import Candidate, Estimate, evaluate_zero_stages, stage_ranges
 from .model_spec import ModelShape

@@ -40,10 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+import colossal_lite.checkpoint.state as S
+
 from ..communication import collective as C
 from ..context import ParallelMode, current_context
 from ..tensor import layout_mesh
-from . import state as S
 
 COMMON = 'common.pt'
 

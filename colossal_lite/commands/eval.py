@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 
-from .. import initialize
 from ..config import ConfigError
 from ..context import global_context as gpc
+from ..initialize import initialize
 from ..job import build_criterion, build_data, build_optimizer, check_layout, resolve_vocab
 from ..launcher import run_workers
 from ..trainer import Trainer

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from . import collective as C
+import colossal_lite.communication.collective as C
+
 from .collective import AxisLike, resolve
 
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, Mapping
 
-from . import registry
+import colossal_lite.config.registry as registry
+
 from .checks import ConfigError, suggest
 from .job import JOB_KEYS, parse_job
 from .layout import ParallelLayout, parse_auto, parse_parallel

@@ -21,8 +21,8 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional
 
-from .. import launch
 from ..context import global_context as gpc
+from ..launch import launch
 from .start import free_port, rank_context, setup_process
 
 

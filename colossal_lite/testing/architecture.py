@@ -2,9 +2,9 @@
 functions), and the layering it must keep (``docs/architecture.md``).
 
 :func:`import_graph` parses each module of a package tree and resolves every ``import`` /
-``from ... import`` to the module it runs (``from pkg import name`` is the submodule
-``pkg.name`` when there is one, else ``pkg``; a name that is neither a submodule nor bound
-in ``pkg/__init__.py`` is a compiled extension and is skipped). :func:`cycles` gives the
+``from ... import`` to the modules it runs: ``from pkg import name`` runs ``pkg`` (its
+``__init__``) and, when there is one, the submodule ``pkg.name`` -- so ``from .. import x``
+depends on the parent package's ``__init__`` and everything it imports. :func:`cycles` gives the
 strongly connected components with more than one module; :func:`upward_imports` the
 imports whose target sits on a higher layer of :data:`LAYERS` than the importer.
 """
@@ -68,32 +68,19 @@ def import_graph(tree: Mapping[str, Tuple[str, bool]], package: str = 'colossal_
                  ) -> List[Import]:
     """Every import between modules of ``tree`` (``read_tree``'s form)."""
     parsed = {name: (ast.parse(src), is_pkg) for name, (src, is_pkg) in tree.items()}
-    bound = {name: _top_level_names(mod) for name, (mod, is_pkg) in parsed.items() if is_pkg}
     edges = []
     for name, (mod, is_pkg) in parsed.items():
         local = {id(node) for fn in ast.walk(mod)
                  if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
                  for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))}
         for node in ast.walk(mod):
-            for target in _targets(node, name, is_pkg, parsed, bound):
+            for target in _targets(node, name, is_pkg, parsed):
                 if target.split('.')[0] == package and target != name:
                     edges.append(Import(name, target, node.lineno, id(node) in local))
     return edges
 
 
-def _top_level_names(mod: ast.Module) -> Set[str]:
-    names = set()
-    for node in mod.body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split('.')[0] for a in node.names)
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    return names
-
-
-def _targets(node, name: str, is_pkg: bool, modules, bound) -> Iterable[str]:
+def _targets(node, name: str, is_pkg: bool, modules) -> Iterable[str]:
     if isinstance(node, ast.Import):
         return [_known(a.name, modules) for a in node.names if _known(a.name, modules)]
     if not isinstance(node, ast.ImportFrom):
@@ -104,15 +91,8 @@ def _targets(node, name: str, is_pkg: bool, modules, bound) -> Iterable[str]:
         module = '.'.join(base + ([node.module] if node.module else []))
     else:
         module = node.module or ''
-    out = []
-    for alias in node.names:
-        full = f'{module}.{alias.name}'
-        if full in modules:
-            out.append(full)
-        elif module in bound and alias.name not in bound[module]:
-            continue  # a compiled extension beside the package's modules
-        elif _known(module, modules):
-            out.append(_known(module, modules))
+    out = [_known(module, modules)] if _known(module, modules) else []
+    out += [f'{module}.{a.name}' for a in node.names if f'{module}.{a.name}' in modules]
     return out
 
 

@@ -33,9 +33,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .. import nn as col_nn
+import colossal_lite.nn as col_nn
+
 from ..communication import collective as C
-from ..context import ParallelMode, global_context as gpc
+from ..context import ParallelMode
+from ..context import global_context as gpc
 from ..engine import Engine, allreduce_gradients
 from ..engine.schedule import call_with, chunk, split_batch
 from ..tensor import gather_full, param_placement, placement_of

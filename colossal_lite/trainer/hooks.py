@@ -15,7 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import checkpoint
+import colossal_lite.checkpoint as checkpoint
+
 from ..communication import collective as C
 from ..context import ParallelMode
 from ..context import global_context as gpc

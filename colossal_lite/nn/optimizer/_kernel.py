@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 import warnings
 from typing import List, Optional
@@ -49,8 +50,8 @@ def load_extension():
     """The compiled module (built at install, else JIT-built once per process and cached on
     disk), or None after one warning when it cannot be had."""
     try:
-        from colossal_lite import _cpu_adam  # built at install
-        return _cpu_adam
+        # a compiled module beside the package's sources: loaded by name
+        return importlib.import_module('colossal_lite._cpu_adam')  # built at install
     except ImportError:
         return build_extension(_sources())
 

@@ -23,9 +23,10 @@ from typing import Optional
 
 import torch
 
-from ...context import ParallelMode, ProcessGroupAxis, current_context
+import colossal_lite.nn._grid as _grid
+
 from ...config.families import family
-from .. import _grid
+from ...context import ParallelMode, ProcessGroupAxis, current_context
 
 
 @dataclass(frozen=True)
