@@ -1,7 +1,7 @@
-"""Parallel GPT, BERT and ViT built only from colossal_lite.nn facades.
+"""Parallel GPT, BERT, ViT and Llama built only from colossal_lite.nn facades.
 
 Each model is built for the layout of the launched context (serial when none).
-Importing this package registers ``gpt``, ``bert`` and ``vit`` in
+Importing this package registers ``gpt``, ``bert``, ``vit`` and ``llama`` in
 ``colossal_lite.models`` (``setup.py`` names this package in the entry-point group
 ``colossal_lite.models``, so ``model=dict(type='gpt', ...)`` finds it), each with its
 planner descriptor (``PlannerShape``, ``ModelTraits``: how ``colossal_lite.auto`` costs it)
@@ -12,10 +12,11 @@ import colossal_lite.nn as col_nn
 
 from .bert import BERT, BERT_PRESETS, BertPretrainingLoss
 from .gpt import GPT, GPT_PRESETS, GPTLMLoss
+from .llama import LLAMA_PRESETS, Llama
 from .vit import VIT_PRESETS, ViT
 
 __all__ = ['BERT', 'BERT_PRESETS', 'BertPretrainingLoss', 'GPT', 'GPT_PRESETS', 'GPTLMLoss',
-           'VIT_PRESETS', 'ViT']
+           'LLAMA_PRESETS', 'Llama', 'VIT_PRESETS', 'ViT']
 
 
 def _transformer_rules(o):
@@ -26,6 +27,17 @@ def _transformer_rules(o):
     if 'vocab_size' in o:
         rules.append(SizeRule('model.vocab_size', o['vocab_size'], 'vocab', what='vocabulary'))
     return rules
+
+
+def _llama_rules(o):
+    """Llama's sizes: the transformer's, the kv heads (split with the heads unless 1D
+    replicates them: ``col_nn.KeyValueLinear``) and the SwiGLU width."""
+    kv = o.get('kv_heads') or o['heads']
+    return _transformer_rules(o) + [
+        SizeRule('model.heads', o['heads'], kv, 'model.kv_heads'),
+        SizeRule('model.intermediate', o.get('intermediate') or 256 * -(-(8 * o['hidden'] // 3)
+                                                                       // 256),
+                 'hidden', what='SwiGLU width')]
 
 
 def _vit_rules(o):
@@ -52,3 +64,8 @@ register_model('vit', ViT, VIT_PRESETS, loss=col_nn.CrossEntropyLoss, data='digi
                                   image='img_size', patch='patch_size', channels='in_chans'),
                traits=ModelTraits(inputs='images', head_per_token=False, head_bias=True),
                hf=HFAdapter(ViT.from_hf, ViT.save_hf))
+register_model('llama', Llama, LLAMA_PRESETS, loss=GPTLMLoss, data='shakespeare',
+               rules=_llama_rules, label='Llama',
+               shape=PlannerShape(kv_heads='kv_heads', ffn='intermediate', mlp_ratio=None),
+               traits=ModelTraits(causal=True, causal_mask=True, gated_mlp=True),
+               hf=HFAdapter(Llama.from_hf, Llama.save_hf))

@@ -125,7 +125,7 @@ def test_forward_hooks_of_the_three_layers_fire():
 def test_fused_qkv_rejects_a_gathered_linear():
     torch.manual_seed(0)
     block = Block()
-    with pytest.raises(ValueError, match=r"three ColumnLinear1D layers, 'enter' "
+    with pytest.raises(ValueError, match=r"three ColumnLinear1D or GroupedKVLinear1D layers, 'enter' "
                                          r"\(gather_output=False\) over one axis, with "
                                          r"in_features 8; key is ColumnLinear1D"):
         qkv_1d(_x(), block.query, ColumnLinear1D(H, H, gather_output=True), block.value)

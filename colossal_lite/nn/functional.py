@@ -120,19 +120,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
               causal: bool = False, key_padding_mask: Optional[torch.Tensor] = None,
               dropout_p: float = 0.0,
               rng: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-    """softmax(Q K^T / sqrt(d) + mask) V on local tensors ``[b, s, n*d]``.
+    """softmax(Q K^T / sqrt(d) + mask) V on local tensors q ``[b, s, n*d]``, k and v
+    ``[b, s_k, n_kv*d]``; with ``n_kv < n`` (grouped-query attention) query head i reads
+    kv head ``i // (n / n_kv)``.
 
     ``key_padding_mask`` is ``[b, s_k]`` with 1/True for keys to attend to.
     ``rng`` gives the context in which attention dropout draws its mask.
     """
     b, s_q, width = q.shape
     s_k = k.shape[1]
-    if width % head_dim:
-        raise ValueError(f'local attention width {width} is not a multiple of head_dim {head_dim}')
-    heads = width // head_dim
+    heads, kv_heads = local_heads(q, k, head_dim)
 
-    def split_heads(t, s):
-        return t.view(b, s, heads, head_dim).transpose(1, 2)
+    def split_heads(t, s, n):
+        return t.view(b, s, n, head_dim).transpose(1, 2)
 
     mask = None
     if key_padding_mask is not None:
@@ -141,7 +141,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
         tri = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
         mask = tri if mask is None else mask & tri
     with rng():
-        out = F.scaled_dot_product_attention(split_heads(q, s_q), split_heads(k, s_k),
-                                             split_heads(v, s_k), attn_mask=mask,
-                                             dropout_p=dropout_p)
+        out = F.scaled_dot_product_attention(split_heads(q, s_q, heads),
+                                             split_heads(k, s_k, kv_heads),
+                                             split_heads(v, s_k, kv_heads), attn_mask=mask,
+                                             dropout_p=dropout_p, enable_gqa=kv_heads != heads)
     return out.transpose(1, 2).reshape(b, s_q, width)
+
+
+def local_heads(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> tuple:
+    """(query heads, kv heads) of local ``q [.., n*d]`` and ``k [.., n_kv*d]``; a ValueError
+    unless both are whole heads and the kv heads divide the query heads."""
+    width, kv_width = q.shape[-1], k.shape[-1]
+    if width % head_dim or kv_width % head_dim:
+        raise ValueError(f'local attention widths q {width}, k {kv_width} are not multiples of '
+                         f'head_dim {head_dim}')
+    heads, kv_heads = width // head_dim, kv_width // head_dim
+    if heads % kv_heads:
+        raise ValueError(f'{heads} local query heads cannot share {kv_heads} local kv heads '
+                         f'evenly (grouped-query attention)')
+    return heads, kv_heads

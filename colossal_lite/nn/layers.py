@@ -31,6 +31,38 @@ def LayerNorm(normalized_shape: int, eps: float = 1e-5, **kwargs):
     return implementation('layernorm')(normalized_shape, eps=eps, **kwargs)
 
 
+def RMSNorm(normalized_shape: int, eps: float = 1e-6, **kwargs):
+    """``x * rsqrt(mean(x^2) + eps) * weight`` (no centering, no bias; statistics in fp32):
+    the family's LayerNorm with ``rms=True``, so it splits and communicates as LayerNorm."""
+    return implementation('layernorm')(normalized_shape, eps=eps, rms=True, **kwargs)
+
+
+def KeyValueLinear(in_features: int, kv_heads: int, head_dim: int, num_heads: int,
+                   bias: bool = True, **kwargs):
+    """The 'enter' projection to ``kv_heads`` key (or value) heads of grouped-query attention
+    (query head i reads kv head ``i // (num_heads / kv_heads)``), whose output lines up
+    with the local query heads of an 'enter' ``Linear(in, num_heads * head_dim)``.
+
+    When the ranks that split the heads divide ``kv_heads`` it is that Linear; when
+    ``kv_heads`` is smaller, families that can (1D) replicate the kv heads so each rank
+    holds the ones its query heads read (Megatron's GQA); otherwise a ValueError names
+    both counts."""
+    if num_heads % kv_heads:
+        raise ValueError(f'grouped-query attention needs num_heads ({num_heads}) divisible by '
+                         f'kv_heads ({kv_heads})')
+    return implementation('kv_linear')(in_features, kv_heads, head_dim, num_heads, bias=bias,
+                                       **kwargs)
+
+
+def local_positions(position_ids):
+    """The position ids (``[s]``, or ``[b, s]`` for per-sample positions) of the tokens of
+    the q, k, v that :func:`project_qkv` returns on this rank: all of them where the
+    sequence is whole, this rank's part of the sequence under sequence parallelism, and
+    the rank's batch part of ``[b, s]`` ids where the batch is split. Feeds rotary
+    embeddings (``nn.rotary``). No communication."""
+    return implementation('positions')(position_ids)
+
+
 def Embedding(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, **kwargs):
     """Embedding of full ids ``[b, s]`` -> activations in the mode's standard layout."""
     return implementation('embedding')(num_embeddings, embedding_dim, padding_idx=padding_idx, **kwargs)
@@ -69,8 +101,10 @@ def AttentionCore(head_dim: int, causal: bool = False, dropout: float = 0.0,
     """softmax(QK^T/sqrt(d) + mask)V on the q, k, v produced by 'enter' linears.
 
     ``forward(q, k, v, key_padding_mask=None)``; the mask is the user's full ``[b, s]``
-    mask (1 = attend) and is split by the family as its layout needs. With ``num_heads``
-    the split of the heads over ranks is checked here, at construction.
+    mask (1 = attend) and is split by the family as its layout needs. k and v may hold
+    fewer heads than q (grouped-query attention, from :func:`KeyValueLinear`): local
+    query head i reads local kv head ``i // (local q heads / local kv heads)``. With
+    ``num_heads`` the split of the heads over ranks is checked here, at construction.
     """
     core = implementation('attention_core')(head_dim, causal=causal, dropout=dropout, **kwargs)
     split = getattr(core, 'head_split', 1)

@@ -15,7 +15,7 @@ from ..context import current_context
 from ..config.families import family as family_of
 KINDS = ('linear', 'layernorm', 'embedding', 'vocab_parallel_embedding', 'classifier',
          'vocab_parallel_classifier', 'patch_embedding', 'dropout', 'cross_entropy',
-         'attention_core', 'gather_logits', 'first_token', 'qkv')
+         'attention_core', 'gather_logits', 'first_token', 'qkv', 'kv_linear', 'positions')
 
 _REGISTRY: Dict[Tuple[Optional[str], str], Callable] = {}
 

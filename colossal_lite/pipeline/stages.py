@@ -292,11 +292,17 @@ def transformer_weights(hidden: int, mlp_ratio: int, first_params: int, last_par
                         ) -> Weights:
     """``weights('parameters')`` for a pre/post-LN transformer: parameter counts of a block
     ((4 + 2r) h^2 + (9 + r) h), the first and last parts."""
+    block = (4 + 2 * mlp_ratio) * hidden ** 2 + (9 + mlp_ratio) * hidden
+    return parameter_weights(first_params, block, last_params)
+
+
+def parameter_weights(first_params: int, block_params: int, last_params: int) -> Weights:
+    """``weights('parameters')``: the parameter counts of the first part, one block and the
+    last part (a ValueError for any other partition method)."""
     def weights(method: str) -> Tuple[float, float, float]:
         if method != 'parameters':
             raise ValueError(f"partition {method!r} has no parameter weights")
-        block = (4 + 2 * mlp_ratio) * hidden ** 2 + (9 + mlp_ratio) * hidden
-        return float(first_params), float(block), float(last_params)
+        return float(first_params), float(block_params), float(last_params)
     return weights
 
 

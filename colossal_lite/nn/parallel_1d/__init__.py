@@ -1,10 +1,11 @@
 """1D (Megatron-style) tensor-parallel layers; also the serial layers (one-rank group)."""
 from ..registry import register
-from .layers import (Classifier1D, ColumnLinear1D, Dropout1D, Embedding1D, LayerNorm1D,
-                     PatchEmbedding1D, RowLinear1D, VocabParallelClassifier1D,
-                     VocabParallelEmbedding1D, default_axis, linear_1d, qkv_1d)
+from .layers import (Classifier1D, ColumnLinear1D, Dropout1D, Embedding1D, GroupedKVLinear1D,
+                     LayerNorm1D, PatchEmbedding1D, RowLinear1D, VocabParallelClassifier1D,
+                     VocabParallelEmbedding1D, default_axis, kv_linear_1d, linear_1d, qkv_1d,
+                     rms_norm)
 from ..losses import CrossEntropyLoss, gather_logits
-from .losses import AttentionCore1D, first_token_1d
+from .losses import AttentionCore1D, first_token_1d, whole_positions
 
 for _mode in (None, '1d'):
     register(_mode, 'linear')(linear_1d)
@@ -20,7 +21,10 @@ for _mode in (None, '1d'):
     register(_mode, 'gather_logits')(gather_logits)
     register(_mode, 'first_token')(first_token_1d)
     register(_mode, 'qkv')(qkv_1d)
+    register(_mode, 'kv_linear')(kv_linear_1d)
+    register(_mode, 'positions')(whole_positions)
 
 __all__ = ['Classifier1D', 'ColumnLinear1D', 'Dropout1D', 'Embedding1D', 'LayerNorm1D',
            'PatchEmbedding1D', 'RowLinear1D', 'VocabParallelClassifier1D',
-           'VocabParallelEmbedding1D', 'AttentionCore1D', 'first_token_1d', 'default_axis', 'linear_1d', 'qkv_1d']
+           'VocabParallelEmbedding1D', 'AttentionCore1D', 'GroupedKVLinear1D', 'first_token_1d',
+           'default_axis', 'kv_linear_1d', 'linear_1d', 'qkv_1d', 'rms_norm', 'whole_positions']

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...communication import gather_from, reduce_from, split_to
+from ...communication import copy_to, gather_from, reduce_from, split_to
 from ...communication.collective import check_divisible
 from ...context import ParallelMode, ProcessGroupAxis, current_context, seed
 from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
@@ -115,8 +115,9 @@ def linear_1d(in_features: int, out_features: int, bias: bool = True,
     raise ValueError(f"Linear region must be 'enter', 'exit' or None, got {region!r}")
 
 
-def qkv_1d(x, query: ColumnLinear1D, key: ColumnLinear1D, value: ColumnLinear1D):
-    """Fused, head-aligned q/k/v projection of three 'enter' ColumnLinear1D over one axis.
+def qkv_1d(x, query: ColumnLinear1D, key, value):
+    """Fused, head-aligned q/k/v projection of three 'enter' ColumnLinear1D over one axis
+    (``key``/``value`` may be :class:`GroupedKVLinear1D`: replicated kv heads).
 
     Each layer holds its rows ``[h/p, h]`` (rank r: heads r*n/p .. (r+1)*n/p - 1), so
     ``cat(Wq_r, Wk_r, Wv_r)`` is rank r's block of the blocked fused weight
@@ -128,20 +129,87 @@ def qkv_1d(x, query: ColumnLinear1D, key: ColumnLinear1D, value: ColumnLinear1D)
     hook after it on the layer's own output view.
     """
     layers = (query, key, value)
-    check_qkv_layers(layers, ColumnLinear1D, lambda layer: not layer.gather_output
+    check_qkv_layers(layers, (ColumnLinear1D, GroupedKVLinear1D),
+                     lambda layer: not layer.gather_output
                      and layer.axis.group is query.axis.group, "'enter' (gather_output=False) "
                      'over one axis')
-    return fused_projection(x, layers, lambda w, b: column_matmul_rows(x, w, b, query.axis),
+    if not any(isinstance(layer, GroupedKVLinear1D) for layer in layers):
+        return fused_projection(x, layers, lambda w, b: column_matmul_rows(x, w, b, query.axis),
+                                blocks=True)
+
+    def project(weights, biases):  # the replicated kv layers contribute their own rows
+        rows = [layer.local_rows() for layer in layers]
+        return column_matmul_rows(x, [w for w, _ in rows],
+                                  None if biases is None else [b for _, b in rows], query.axis)
+
+    widths = [layer.local_width for layer in layers]
+    return fused_projection(x, layers, project, split=lambda y: y.split(widths, dim=-1),
                             blocks=True)
 
 
-def check_qkv_layers(layers, cls: type, same: Callable, what: str):
-    """Raise ValueError unless every layer is a ``cls`` with ``same(layer)`` and the
-    query's in_features (checked before any hook or collective)."""
+class GroupedKVLinear1D(ShardedModule):
+    """The k (or v) projection of grouped-query attention when the p ranks outnumber the
+    ``kv_heads`` (p divisible by kv_heads): weight ``[kv*d, in]`` and bias ``[kv*d]``
+    replicated; rank r uses the rows of kv head ``g = r * kv / p``, the one its query heads
+    ``r*n/p .. (r+1)*n/p - 1`` read (Megatron's replicated kv heads).
+
+    Input replicated ``[.., in]``; output ``[.., d]``. Forward: none. Backward: all_reduce of
+    dx over the axis (each rank's dx covers its own query heads' share, as in a column
+    linear) and all_reduce of the full dW, db over the axis (the replicas' partial
+    gradients; rows of heads a rank does not use are zero there)."""
+
+    def __init__(self, in_features: int, kv_heads: int, head_dim: int, num_heads: int,
+                 bias: bool = True, axis: Optional[ProcessGroupAxis] = None,
+                 weight_init: Optional[Init] = None, bias_init: Optional[Init] = None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.axis = axis or default_axis()
+        p = self.axis.size
+        if p % kv_heads:
+            raise ValueError(f'kv_heads {kv_heads} must divide, or be divisible by, the {p} '
+                             f'ranks of the 1D tensor split')
+        out_features = kv_heads * head_dim
+        self.in_features, self.out_features, self.gather_output = in_features, out_features, False
+        self.head_dim, self.kv_head = head_dim, self.axis.rank * kv_heads // p
+        self.local_width = head_dim
+        self.weight = new_parameter((out_features, in_features), dtype=dtype,
+                                    init=weight_init or linear_weight_init(in_features))
+        self.bias = new_parameter((out_features,), dtype=dtype,
+                                  init=bias_init or linear_bias_init(in_features)) if bias else None
+
+    def local_rows(self) -> tuple:
+        """(weight rows, bias rows or None) of this rank's kv head, whose gradients are summed
+        over the axis."""
+        start = self.kv_head * self.head_dim
+
+        def rows(t):
+            return None if t is None else copy_to(t, self.axis).narrow(0, start, self.head_dim)
+        return rows(self.weight), rows(self.bias)
+
+    def forward(self, x):
+        return column_matmul(x, *self.local_rows(), self.axis)
+
+
+def kv_linear_1d(in_features: int, kv_heads: int, head_dim: int, num_heads: int,
+                 bias: bool = True, axis: Optional[ProcessGroupAxis] = None, **kwargs):
+    """The facade's KeyValueLinear: a column split when the p ranks divide ``kv_heads``,
+    :class:`GroupedKVLinear1D` when ``kv_heads`` divides p."""
+    axis = axis or default_axis()
+    if kv_heads % axis.size == 0:
+        return ColumnLinear1D(in_features, kv_heads * head_dim, bias, gather_output=False,
+                              axis=axis, **kwargs)
+    return GroupedKVLinear1D(in_features, kv_heads, head_dim, num_heads, bias, axis=axis,
+                             **kwargs)
+
+
+def check_qkv_layers(layers, cls, same: Callable, what: str):
+    """Raise ValueError unless every layer is a ``cls`` (a class or a tuple of them) with
+    ``same(layer)`` and the query's in_features (checked before any hook or collective)."""
+    names = cls.__name__ if isinstance(cls, type) else ' or '.join(c.__name__ for c in cls)
     for name, layer in zip(('query', 'key', 'value'), layers):
         if not isinstance(layer, cls) or not same(layer) \
                 or layer.in_features != layers[0].in_features:
-            raise ValueError(f'fused qkv needs three {cls.__name__} layers, {what}, with '
+            raise ValueError(f'fused qkv needs three {names} layers, {what}, with '
                              f'in_features {layers[0].in_features}; {name} is '
                              f'{type(layer).__name__} (in_features '
                              f"{getattr(layer, 'in_features', None)})")
@@ -315,16 +383,29 @@ def zeros_init(t, g):
 
 
 class LayerNorm1D(ShardedModule):
-    """LayerNorm on replicated activations; weight and bias ``[h]`` replicated. No communication."""
+    """LayerNorm (``rms=True``: RMSNorm, weight only) on replicated activations; weight and
+    bias ``[h]`` replicated. No communication."""
 
-    def __init__(self, normalized_shape: int, eps: float = 1e-5, dtype=None, axis=None):
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, dtype=None, axis=None,
+                 rms: bool = False):
         super().__init__()
-        self.normalized_shape, self.eps = (normalized_shape,), eps
+        self.normalized_shape, self.eps, self.rms = (normalized_shape,), eps, rms
         self.weight = new_parameter((normalized_shape,), init=ones_init, dtype=dtype)
-        self.bias = new_parameter((normalized_shape,), init=zeros_init, dtype=dtype)
+        self.bias = None if rms else new_parameter((normalized_shape,), init=zeros_init,
+                                                   dtype=dtype)
 
     def forward(self, x):
+        if self.rms:
+            return rms_norm(x, self.weight, self.eps)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, normalized in fp32 and cast
+    back before the weight (as Hugging Face's LlamaRMSNorm)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
 
 
 class Dropout1D(nn.Module):

@@ -39,3 +39,8 @@ class AttentionCore1D(nn.Module):
 def first_token_1d(x: torch.Tensor) -> torch.Tensor:
     """``x[:, 0]``: activations are replicated, no communication."""
     return x[:, 0]
+
+
+def whole_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Every rank holds the whole sequence and batch: the position ids as they are."""
+    return position_ids

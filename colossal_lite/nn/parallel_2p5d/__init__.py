@@ -7,7 +7,7 @@ from ..registry import register
 from .grid import Grid2p5D
 from .layers import (Classifier2p5D, Dropout2p5D, Embedding2p5D, LayerNorm2p5D, Linear2p5D,
                      PatchEmbedding2p5D, SummaAffine2p5D, VocabParallelClassifier2p5D,
-                     VocabParallelEmbedding2p5D, qkv_2p5d)
+                     VocabParallelEmbedding2p5D, kv_linear_2p5d, positions_2p5d, qkv_2p5d)
 from ..losses import CrossEntropyLoss, gather_logits
 from .losses import AttentionCore2p5D, first_token_2p5d
 from .summa import SummaLinear, summa_linear, summa_loop
@@ -26,6 +26,8 @@ FAMILY = {
     'gather_logits': gather_logits,
     'first_token': first_token_2p5d,
     'qkv': qkv_2p5d,
+    'kv_linear': kv_linear_2p5d,
+    'positions': positions_2p5d,
 }
 
 

@@ -100,6 +100,25 @@ def qkv_2p5d(x, query: SummaAffine2p5D, key: SummaAffine2p5D, value: SummaAffine
     return fused_projection(x, layers, project)
 
 
+def kv_linear_2p5d(in_features: int, kv_heads: int, head_dim: int, num_heads: int,
+                   bias: bool = True, **kwargs):
+    """The facade's KeyValueLinear: the Linear to ``kv_heads * head_dim``, whose output chunk j
+    holds kv heads j*kv/q .. -- the ones query heads chunk j read, when q divides
+    ``kv_heads`` (a ValueError otherwise: 2D/2.5D do not replicate kv heads)."""
+    grid = resolve_grid(kwargs.pop('grid', None))
+    if kv_heads % grid.q:
+        raise ValueError(f'{grid.describe()} splits the heads over q={grid.q}: kv_heads '
+                         f'{kv_heads} must be divisible by {grid.q} (only 1D replicates kv '
+                         f'heads)')
+    return Linear2p5D(in_features, kv_heads * head_dim, bias, region='enter', grid=grid, **kwargs)
+
+
+def positions_2p5d(position_ids: torch.Tensor) -> torch.Tensor:
+    """Positions of the standard layout's tokens: ``[s]`` whole, ``[b, s]`` batch chunk
+    ``k*q + i``."""
+    return position_ids if position_ids.dim() < 2 else Grid2p5D.current().split_batch(position_ids)
+
+
 class VocabParallelClassifier2p5D(SummaAffine2p5D):
     """Logits split along the classes: weight ``[C, h] -> [C/q, h/q]`` (as a Linear, so it ties
     to :class:`VocabParallelEmbedding2p5D`), bias ``[C] -> [C/q]``.
@@ -147,21 +166,23 @@ class Classifier2p5D(ShardedModule):
 
 
 class LayerNorm2p5D(ShardedModule):
-    """LayerNorm over a hidden dim split in q: weight, bias ``[h] -> [h/q]`` (chunk j, shared).
+    """LayerNorm (``rms=True``: RMSNorm, no centering, weight only) over a hidden dim split
+    in q: weight, bias ``[h] -> [h/q]`` (chunk j, shared).
 
     x ``[b', s, h/q]`` -> same. The row sums of x and of (x - mean)^2 are all_reduced over
-    ``row`` (``b' s`` elements each, forward and again backward).
+    ``row`` (``b' s`` elements each, forward and again backward; RMSNorm: x^2 only).
     """
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, dtype=None,
-                 grid: Optional[Grid2p5D] = None):
+                 grid: Optional[Grid2p5D] = None, rms: bool = False):
         super().__init__()
         self.grid = resolve_grid(grid)
         self.grid.check_hidden(normalized_shape, 'LayerNorm normalized_shape')
-        self.normalized_shape, self.eps = normalized_shape, eps
+        self.normalized_shape, self.eps, self.rms = normalized_shape, eps, rms
         cut = hidden_cut(self.grid, 0)
         self.weight = new_parameter((normalized_shape,), cut, init=ones_init, dtype=dtype)
-        self.bias = new_parameter((normalized_shape,), cut, init=zeros_init, dtype=dtype)
+        self.bias = None if rms else new_parameter((normalized_shape,), cut, init=zeros_init,
+                                                   dtype=dtype)
 
     def _row_mean(self, t):
         total = reduce_from(t.sum(dim=-1, keepdim=True), self.grid.row)
@@ -169,10 +190,11 @@ class LayerNorm2p5D(ShardedModule):
 
     def forward(self, x):
         x32 = x.float()  # statistics in fp32, as torch's LayerNorm: rsqrt'^3 overflows fp16
-        centered = x32 - self._row_mean(x32)
+        centered = x32 if self.rms else x32 - self._row_mean(x32)
         var = self._row_mean(centered * centered)
         y = (centered * torch.rsqrt(var + self.eps)).to(x.dtype)
-        return y * self.grid.shared(self.weight) + self.grid.shared(self.bias)
+        y = y * self.grid.shared(self.weight)
+        return y if self.bias is None else y + self.grid.shared(self.bias)
 
 
 class Embedding2p5D(ShardedModule):

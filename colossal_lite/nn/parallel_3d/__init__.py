@@ -4,7 +4,7 @@ from .cube import (ActLayout, Cube3D, Orientation, default_cube, gather_activati
                    swap_layout)
 from .layers import (Classifier3D, Dropout3D, Embedding3D, LayerNorm3D, Linear3D,
                      PatchEmbedding3D, VocabParallelClassifier3D, VocabParallelEmbedding3D,
-                     qkv_3d)
+                     kv_linear_3d, positions_3d, qkv_3d)
 from ..losses import CrossEntropyLoss, gather_logits
 from .losses import AttentionCore3D, first_token_3d
 
@@ -15,7 +15,8 @@ for _kind, _impl in (('linear', Linear3D), ('layernorm', LayerNorm3D), ('embeddi
                      ('patch_embedding', PatchEmbedding3D), ('dropout', Dropout3D),
                      ('cross_entropy', CrossEntropyLoss), ('attention_core', AttentionCore3D),
                      ('gather_logits', gather_logits), ('first_token', first_token_3d),
-                     ('qkv', qkv_3d)):
+                     ('qkv', qkv_3d), ('kv_linear', kv_linear_3d),
+                     ('positions', positions_3d)):
     register('3d', _kind)(_impl)
 
 __all__ = ['ActLayout', 'Cube3D', 'Orientation', 'default_cube', 'gather_activation',

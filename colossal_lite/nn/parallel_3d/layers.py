@@ -154,17 +154,39 @@ def qkv_3d(x, query: Linear3D, key: Linear3D, value: Linear3D):
     """
     layers = (query, key, value)
     check_qkv_layers(layers, Linear3D, lambda layer: layer.region == 'enter'
-                     and layer.orient == query.orient and layer.out_features == query.out_features
+                     and layer.orient == query.orient
                      and layer.keep_gathered == query.keep_gathered,
-                     "'enter', equal out_features, one cube")
+                     "'enter', one cube")
     q = query.orient.w_gather.size
+    rows = [layer.weight.shape[0] for layer in layers]  # k, v narrower under GQA
 
     def project(weight, bias):
         return _CubeLinear.apply(x, weight, bias, query.orient, query.keep_gathered)
 
     def split(y):
-        return tuple(t.flatten(-2) for t in y.unflatten(-1, (q, len(layers), -1)).unbind(-2))
+        parts = y.unflatten(-1, (q, sum(rows))).split(rows, dim=-1)
+        return tuple(t.flatten(-2) for t in parts)
     return fused_projection(x, layers, project, split)
+
+
+def kv_linear_3d(in_features: int, kv_heads: int, head_dim: int, num_heads: int,
+                 bias: bool = True, **kwargs):
+    """The facade's KeyValueLinear: the 'enter' Linear3D to ``kv_heads * head_dim`` (hidden
+    chunk j holds the kv heads query heads chunk j read) when q divides ``kv_heads``; a
+    ValueError otherwise (3D does not replicate kv heads)."""
+    cube = default_cube(kwargs.pop('cube', None))
+    if kv_heads % cube.q:
+        raise ValueError(f'3D attention splits the heads over q={cube.q}: kv_heads {kv_heads} '
+                         f'must be divisible by {cube.q} (only 1D replicates kv heads)')
+    return Linear3D(in_features, kv_heads * head_dim, bias, region='enter', cube=cube, **kwargs)
+
+
+def positions_3d(position_ids: torch.Tensor) -> torch.Tensor:
+    """Positions of the q, k, v tokens (the swapped layout 'enter' linears produce): ``[s]``
+    whole, ``[b, s]`` batch chunk ``l*q + i``."""
+    if position_ids.dim() < 2:
+        return position_ids
+    return split_batch(position_ids, default_cube(None).swapped, 'position_ids')
 
 
 class VocabParallelClassifier3D(Linear3D):
@@ -216,31 +238,35 @@ class Classifier3D(ShardedModule):
 
 
 class LayerNorm3D(ShardedModule):
-    """LayerNorm over a hidden dim split by OUTPUT: weight, bias ``[h] -> [h/q]``.
+    """LayerNorm (``rms=True``: RMSNorm, no centering, weight only) over a hidden dim split
+    by OUTPUT: weight, bias ``[h] -> [h/q]``.
 
     Input/output standard ``[b/q^2, .., h/q]``. Forward: 2 all_reduces over OUTPUT of
-    ``[b/q^2, ..]`` (sum, then sum of squared deviations); backward the same 2; dW, db
-    all_reduced over INPUT_X_WEIGHT.
+    ``[b/q^2, ..]`` (sum, then sum of squared deviations; RMSNorm: the squares only);
+    backward the same; dW, db all_reduced over INPUT_X_WEIGHT.
     """
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, cube: Optional[Cube3D] = None,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, rms: bool = False):
         super().__init__()
         self.cube = default_cube(cube)
         _check(normalized_shape, self.cube.q, 'LayerNorm normalized_shape', self.cube.q)
-        self.normalized_shape, self.eps = normalized_shape, eps
+        self.normalized_shape, self.eps, self.rms = normalized_shape, eps, rms
         cut = (0, self.cube.output)
         self.weight = new_parameter((normalized_shape,), cut, init=ones_init, dtype=dtype)
-        self.bias = new_parameter((normalized_shape,), cut, init=zeros_init, dtype=dtype)
+        self.bias = None if rms else new_parameter((normalized_shape,), cut, init=zeros_init,
+                                                   dtype=dtype)
 
     def forward(self, x):
         axis, tokens = self.cube.output, (self.cube.input_x_weight,)
         x32 = x.float()  # statistics in fp32, as torch's LayerNorm: rsqrt'^3 overflows fp16
-        mean = sum_partials(x32.sum(-1, keepdim=True), axis) / self.normalized_shape
-        centered = x32 - mean
+        centered = x32
+        if not self.rms:
+            centered = x32 - sum_partials(x32.sum(-1, keepdim=True), axis) / self.normalized_shape
         var = sum_partials((centered * centered).sum(-1, keepdim=True), axis) / self.normalized_shape
         normed = (centered * torch.rsqrt(var + self.eps)).to(x.dtype)
-        return normed * shared_over(self.weight, tokens) + shared_over(self.bias, tokens)
+        y = normed * shared_over(self.weight, tokens)
+        return y if self.bias is None else y + shared_over(self.bias, tokens)
 
 
 class Embedding3D(ShardedModule):

@@ -7,8 +7,8 @@ from ..parallel_1d import LayerNorm1D, qkv_1d
 from ..registry import register
 from .layers import (RingAttentionCore, SequenceClassifier, SequenceDropout, SequenceEmbedding,
                      SequencePatchEmbedding, SequenceVocabClassifier, check_sequence_length,
-                     is_sequence_split, local_block, sequence_axis, sequence_linear,
-                     tag_sequence_split)
+                     is_sequence_split, local_block, sequence_axis, sequence_kv_linear,
+                     sequence_linear, sequence_positions, tag_sequence_split)
 from ..losses import gather_logits
 from .losses import SequenceCrossEntropyLoss, first_token_sequence, scale_grad
 from .ring import RingAV, RingQK, ring_attention
@@ -26,6 +26,8 @@ register('sequence', 'attention_core')(RingAttentionCore)
 register('sequence', 'gather_logits')(gather_logits)
 register('sequence', 'first_token')(first_token_sequence)
 register('sequence', 'qkv')(qkv_1d)  # one matmul over the replicated weights
+register('sequence', 'kv_linear')(sequence_kv_linear)
+register('sequence', 'positions')(sequence_positions)
 
 __all__ = ['RingAttentionCore', 'SequenceClassifier', 'SequenceDropout', 'SequenceEmbedding',
            'SequencePatchEmbedding', 'SequenceVocabClassifier', 'SequenceCrossEntropyLoss',

@@ -75,6 +75,17 @@ def sequence_linear(in_features: int, out_features: int, bias: bool = True,
     return linear_1d(in_features, out_features, bias, region, axis=SERIAL_1D, **kwargs)
 
 
+def sequence_kv_linear(in_features: int, kv_heads: int, head_dim: int, num_heads: int,
+                       bias: bool = True, **kwargs):
+    """The facade's KeyValueLinear: every head on every rank, weight replicated."""
+    return sequence_linear(in_features, kv_heads * head_dim, bias, 'enter', **kwargs)
+
+
+def sequence_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Positions of this rank's tokens: its block of the last (sequence) dim."""
+    return local_block(position_ids, sequence_axis(), dim=position_ids.dim() - 1)
+
+
 class SequenceEmbedding(Embedding1D):
     """Full ids ``[b, s]`` (tokens, positions or token types) -> ``[b, s/P, h]``.
 

@@ -1,0 +1,235 @@
+"""Llama (and Mistral, Qwen2): RMSNorm, rotary positions, SwiGLU, grouped-query attention.
+
+Pre-norm blocks ``x + attn(norm(x))``, ``x + mlp(norm(x))``; no biases except the optional
+q/k/v bias (Qwen2); LM head untied (Llama-3 8B/70B) or tied (Llama-3.2 1B). Written only
+with ``colossal_lite.nn`` facades, so it runs in every layout: the k/v projections are
+``col_nn.KeyValueLinear`` (split with the heads, or replicated per group in 1D when the
+ranks outnumber the kv heads), the rotary tables are made for the positions of the tokens
+this rank holds (``col_nn.local_positions``; ``colossal_lite.nn.rotary``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import colossal_lite.nn as col_nn
+from colossal_lite.nn.registry import current_mode
+from colossal_lite.nn.rotary import (apply_rotary, check_rope_scaling, rope_frequencies,
+                                     rotary_tables)
+from colossal_lite.pipeline.stages import parameter_weights
+from colossal_lite.tensor import init_by_name
+
+from .blocks import StagedTransformer, checkpointed_blocks, normal_init, preset_config, zeros_init
+from .hf import HFConvertible, constructor_args
+from .kv_cache import KVCache
+
+_LLAMA3 = dict(vocab_size=128256, max_positions=131072, rope_theta=500000.0, eps=1e-5)
+
+
+def _llama3_scaling(factor: float) -> dict:
+    return dict(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_positions=8192)
+
+
+_DEFAULTS = dict(kv_heads=None, intermediate=None, max_positions=2048, rope_theta=10000.0,
+                 rope_scaling=None, eps=1e-5, qkv_bias=False, tie_embeddings=False,
+                 init_std=0.02, dropout=0.0)
+
+LLAMA_PRESETS = {
+    'tiny': dict(_DEFAULTS, vocab_size=256, max_positions=64, hidden=64, layers=2, heads=4,
+                 kv_heads=2, intermediate=128),
+    'llama3-1b': dict(_DEFAULTS, **_LLAMA3, hidden=2048, layers=16, heads=32, kv_heads=8,
+                      intermediate=8192, rope_scaling=_llama3_scaling(32.0),
+                      tie_embeddings=True),
+    'llama3-8b': dict(_DEFAULTS, **_LLAMA3, hidden=4096, layers=32, heads=32, kv_heads=8,
+                      intermediate=14336, rope_scaling=_llama3_scaling(8.0)),
+    'llama3-70b': dict(_DEFAULTS, **_LLAMA3, hidden=8192, layers=80, heads=64, kv_heads=8,
+                       intermediate=28672, rope_scaling=_llama3_scaling(8.0)),
+}
+
+
+class LlamaAttention(nn.Module):
+    """q ``[h -> n*d]`` and k, v ``[h -> n_kv*d]`` open the region (one fused matmul,
+    ``col_nn.project_qkv``), q and k rotated, causal attention with query head i reading kv
+    head ``i // (n / n_kv)``, o ``[n*d -> h]`` closes it."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool,
+                 dropout: float, init_std: float):
+        super().__init__()
+        self.head_dim = head_dim
+        kw = dict(weight_init=normal_init(init_std), bias_init=zeros_init)
+        self.q_proj = col_nn.Linear(hidden, heads * head_dim, bias=qkv_bias, region='enter', **kw)
+        self.k_proj = col_nn.KeyValueLinear(hidden, kv_heads, head_dim, heads, bias=qkv_bias, **kw)
+        self.v_proj = col_nn.KeyValueLinear(hidden, kv_heads, head_dim, heads, bias=qkv_bias, **kw)
+        col_nn.place_qkv_adjacent(self.q_proj, self.k_proj, self.v_proj)
+        self.core = col_nn.AttentionCore(head_dim, causal=True, dropout=dropout, num_heads=heads)
+        self.o_proj = col_nn.Linear(heads * head_dim, hidden, bias=False, region='exit',
+                                    weight_init=normal_init(init_std))
+
+    def forward(self, x, rope, kv_cache=None):
+        q, k, v = col_nn.project_qkv(x, self.q_proj, self.k_proj, self.v_proj)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin, self.head_dim), apply_rotary(k, cos, sin, self.head_dim)
+        if kv_cache is not None:
+            k, v = kv_cache.extend(k, v)
+        return self.o_proj(self.core(q, k, v))
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: gate and up ``[h -> i]`` open the region, down closes it."""
+
+    def __init__(self, hidden: int, intermediate: int, init_std: float):
+        super().__init__()
+        kw = dict(bias=False, weight_init=normal_init(init_std))
+        self.gate_proj = col_nn.Linear(hidden, intermediate, region='enter', **kw)
+        self.up_proj = col_nn.Linear(hidden, intermediate, region='enter', **kw)
+        self.down_proj = col_nn.Linear(intermediate, hidden, region='exit', **kw)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``; ``checkpoint=True``
+    recomputes the block in backward."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 eps: float, qkv_bias: bool, dropout: float, init_std: float,
+                 checkpoint: bool = False):
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.attn_norm = col_nn.RMSNorm(hidden, eps=eps)
+        self.attn = LlamaAttention(hidden, heads, kv_heads, head_dim, qkv_bias, dropout, init_std)
+        self.mlp_norm = col_nn.RMSNorm(hidden, eps=eps)
+        self.mlp = SwiGLU(hidden, intermediate, init_std)
+        self.drop1 = col_nn.Dropout(dropout)
+        self.drop2 = col_nn.Dropout(dropout)
+
+    def _forward(self, x, cos, sin, kv_cache=None):
+        x = x + self.drop1(self.attn(self.attn_norm(x), (cos, sin), kv_cache))
+        return x + self.drop2(self.mlp(self.mlp_norm(x)))
+
+    def forward(self, x, rope, kv_cache=None):
+        if self.checkpoint and self.training and torch.is_grad_enabled() and kv_cache is None:
+            from colossal_lite.engine.checkpoint import checkpoint
+            return checkpoint(self._forward, x, *rope)
+        return self._forward(x, *rope, kv_cache)
+
+
+def llama_block_params(hidden: int, heads: int, kv_heads: int, head_dim: int,
+                       intermediate: int, qkv_bias: bool) -> int:
+    """Parameters of one block: q, k, v, o, gate, up, down and the two norms."""
+    qkv = hidden * (heads + 2 * kv_heads) * head_dim + (heads + 2 * kv_heads) * head_dim * qkv_bias
+    return qkv + heads * head_dim * hidden + 3 * hidden * intermediate + 2 * hidden
+
+
+class Llama(HFConvertible, StagedTransformer):
+    """``Llama(...)(input_ids [b, s]) -> logits`` (vocab-split under tensor parallelism;
+    ``colossal_lite.nn.gather_logits`` gives the full ``[b, s, V]``).
+
+    ``kv_heads`` (default ``heads``): key/value heads of grouped-query attention (1: MQA);
+    ``intermediate``: the SwiGLU width (default ``ceil(8h/3)`` to a multiple of 256, as
+    Llama); ``rope_scaling``: Llama-3's (``nn.rotary``); ``qkv_bias``: Qwen2's q/k/v biases;
+    ``tie_embeddings``: the LM head reads the embedding's weight.
+
+    Under pipeline parallelism a rank builds only its stages: ``embed`` on stage 0,
+    ``norm``/``lm_head`` on the last (which also holds ``embed`` when tied); every stage
+    makes the rotary tables from the inputs' positions."""
+
+    def __init__(self, vocab_size: int, hidden: int, layers: int, heads: int,
+                 kv_heads: Optional[int] = None, intermediate: Optional[int] = None,
+                 max_positions: int = 2048, rope_theta: float = 10000.0, rope_scaling=None,
+                 eps: float = 1e-5, qkv_bias: bool = False, tie_embeddings: bool = False,
+                 init_std: float = 0.02, dropout: float = 0.0, checkpoint=False):
+        super().__init__()
+        self.arch_args = constructor_args(locals())  # for save_hf
+        kv_heads = heads if kv_heads is None else kv_heads
+        if intermediate is None:
+            intermediate = 256 * -(-(8 * hidden // 3) // 256)
+        if hidden % heads:
+            raise ValueError(f'hidden size {hidden} must be divisible by heads {heads}')
+        if heads % kv_heads:
+            raise ValueError(f'heads {heads} must be divisible by kv_heads {kv_heads}')
+        head_dim = hidden // heads
+        self.max_positions, self.head_dim = max_positions, head_dim
+        self.rope_freqs = rope_frequencies(head_dim, rope_theta, check_rope_scaling(rope_scaling))
+        with init_by_name(self):  # each weight a function of (seed, its name)
+            self.checkpointed = checkpointed_blocks(checkpoint, layers)
+            embed_params = vocab_size * hidden
+            self.plan_stages(layers, parameter_weights(
+                embed_params, llama_block_params(hidden, heads, kv_heads, head_dim, intermediate,
+                                                 qkv_bias),
+                hidden + (0 if tie_embeddings else embed_params)), options=self.arch_args)
+            if self.holds_first or (self.holds_last and tie_embeddings):
+                self.embed = col_nn.VocabParallelEmbedding(vocab_size, hidden,
+                                                           weight_init=normal_init(init_std))
+            if self.holds_first:
+                self.drop = col_nn.Dropout(dropout)
+            self.blocks = self.build_blocks(lambda i: LlamaBlock(
+                hidden, heads, kv_heads, head_dim, intermediate, eps, qkv_bias, dropout,
+                init_std, checkpoint=i in self.checkpointed))
+            if self.holds_last:
+                self.norm = col_nn.RMSNorm(hidden, eps=eps)
+                self.lm_head = col_nn.VocabParallelClassifier(
+                    hidden, vocab_size, bias=False, weight_init=normal_init(init_std),
+                    weight=self.embed.weight if tie_embeddings else None)
+        if tie_embeddings:
+            self.tie_across_stages('embed.weight')
+
+    @classmethod
+    def cost_sample(cls, args: dict) -> tuple:
+        return (torch.zeros(2, min(args['max_positions'], 64), dtype=torch.long),)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> 'Llama':
+        return cls(**preset_config(LLAMA_PRESETS, name, overrides, 'Llama'))
+
+    def new_kv_cache(self) -> KVCache:
+        """An empty cache for incremental decoding (``model_zoo/kv_cache.py``): it holds the
+        rotated local keys and the values of each layer -- ``n_kv`` heads, so a GQA cache is
+        ``n / n_kv`` times smaller than the queries'. Serial and 1D/2D/2.5D/3D."""
+        if self.is_pipelined:
+            raise NotImplementedError('KV-cached decoding is not implemented under pipeline '
+                                      'parallelism; load the weights into a tensor layout')
+        if current_mode() == 'sequence':
+            raise NotImplementedError('KV-cached decoding is not implemented under sequence '
+                                      'parallelism (a decoding step of one token cannot be '
+                                      'split along the sequence); use a tensor mode')
+        return KVCache(self.stage_spec().layers)
+
+    def forward(self, input_ids: torch.Tensor, stage_input: torch.Tensor = None,
+                stage: int = None, kv_cache: KVCache = None, last_only: bool = False,
+                position_ids: torch.Tensor = None) -> torch.Tensor:
+        """``position_ids [b, s]`` (default ``0 .. s-1`` after the cached tokens) place the
+        rotary angles; ``kv_cache``: see :meth:`new_kv_cache`; ``last_only``: the logits of
+        the last position only, ``[b, 1, V]``."""
+        if last_only and current_mode() == 'sequence':
+            raise NotImplementedError('last_only is not implemented under sequence parallelism '
+                                      '(the last position lives on the last sequence rank)')
+        spec = self.stage_spec(stage)
+        x = self.stage_start(spec, stage_input)
+        if position_ids is None:
+            position_ids = self._positions(input_ids, kv_cache)
+        rope = rotary_tables(col_nn.local_positions(position_ids), self.rope_freqs)
+        if spec.first:
+            x = self.drop(self.embed(input_ids))
+        for i in spec.layers:
+            x = self.blocks[str(i)](x, rope,
+                                    kv_cache=None if kv_cache is None else kv_cache.layer(i))
+        if kv_cache is not None:
+            kv_cache.length += input_ids.shape[1]
+        if not spec.last:
+            return x
+        return self.lm_head(self.norm(x[:, -1:] if last_only else x))
+
+    def _positions(self, input_ids: torch.Tensor, kv_cache) -> torch.Tensor:
+        """Positions ``[s]`` of ``input_ids [b, s]``, after the ``kv_cache.length`` cached ones."""
+        offset = 0 if kv_cache is None else kv_cache.length
+        end = offset + input_ids.shape[1]
+        if end > self.max_positions:
+            raise ValueError(f'{offset} cached + {input_ids.shape[1]} new tokens exceed '
+                             f'max_positions {self.max_positions}')
+        return torch.arange(offset, end, device=input_ids.device)
