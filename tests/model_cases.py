@@ -1,4 +1,4 @@
-"""Tiny GPT, BERT and ViT cases shared by the model tests of every layout.
+"""Tiny GPT, BERT, ViT and Llama cases shared by the model tests of every layout.
 
 ``make_case(name, batch, seq)`` gives a :class:`Case`: ``build(**overrides)`` (the model
 for the launched layout), the global ``batch = (inputs, labels)`` in the engine's form
@@ -17,11 +17,12 @@ import torch
 
 import colossal_lite.nn as col_nn
 from colossal_lite.testing import make_optimizer, plain_step, training_trace
-from model_zoo import BERT, GPT, ViT, BertPretrainingLoss, GPTLMLoss
+from model_zoo import BERT, GPT, Llama, ViT, BertPretrainingLoss, GPTLMLoss
 
-FAMILIES = ('gpt', 'bert', 'vit')
-MODELS = {'gpt': GPT, 'bert': BERT, 'vit': ViT}
-CRITERIA = {'gpt': GPTLMLoss, 'bert': BertPretrainingLoss, 'vit': col_nn.CrossEntropyLoss}
+FAMILIES = ('gpt', 'bert', 'vit')  # the families every layout's tests run; Llama: test_llama
+MODELS = {'gpt': GPT, 'bert': BERT, 'vit': ViT, 'llama': Llama}
+CRITERIA = {'gpt': GPTLMLoss, 'bert': BertPretrainingLoss, 'vit': col_nn.CrossEntropyLoss,
+            'llama': GPTLMLoss}
 
 
 class Case(NamedTuple):
@@ -62,8 +63,8 @@ def make_case(name: str, batch: int = 4, seq: int = 16, seed: int = 0, img_size=
               **overrides) -> Case:
     """``overrides`` go to ``from_preset('tiny', ...)``; ``img_size`` sizes ViT's images
     and model (the other families ignore it)."""
-    g = torch.Generator().manual_seed(seed + {'gpt': 1, 'bert': 2, 'vit': 3}[name])
-    data = {'gpt': _gpt, 'bert': _bert, 'vit': _vit}[name]
+    g = torch.Generator().manual_seed(seed + {'gpt': 1, 'bert': 2, 'vit': 3, 'llama': 4}[name])
+    data = {'gpt': _gpt, 'bert': _bert, 'vit': _vit, 'llama': _gpt}[name]
     if name == 'vit' and img_size is not None:
         overrides['img_size'] = img_size
         inputs, labels = data(g, batch, seq, img_size)

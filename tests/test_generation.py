@@ -1,5 +1,6 @@
 """Generation from a trained GPT (docs/generation.md): model-only checkpoint loading into any
-layout, KV-cached decoding equal to the full forward in serial and every tensor mode,
+layout, KV-cached decoding equal to the full forward in serial and every tensor mode (also
+for Llama's rotated, grouped-query cache: kv heads split or replicated),
 ``generate`` giving the same tokens in every layout, and the ``generate`` / ``eval`` /
 ``export`` commands on a checkpoint of a tiny ``colossal-lite train`` job.
 
@@ -15,7 +16,7 @@ import colossal_lite.nn as col_nn
 from colossal_lite import checkpoint
 from colossal_lite.generation import generate
 from colossal_lite.testing import engine_step, make_optimizer, replica_batch, run_distributed
-from model_zoo import GPT, GPTLMLoss
+from model_zoo import GPT, GPTLMLoss, Llama
 
 TP2 = dict(parallel=dict(tensor=dict(size=2, mode='1d')))
 TENSOR_LAYOUTS = [  # (config, world size)
@@ -28,16 +29,19 @@ LAYOUT_IDS = ['1d', '2d', '2.5d', '3d']
 PREFILL = 5
 
 
-def _gpt(state=None):
-    model = GPT.from_preset('tiny', dropout=0.0)
+MODELS = {'gpt': GPT, 'llama': Llama}
+
+
+def _gpt(state=None, name='gpt'):
+    model = MODELS[name].from_preset('tiny', dropout=0.0)
     if state is not None:
         model.load_state_dict(state)
     return model.eval()
 
 
-def _serial_state(seed=0):
+def _serial_state(seed=0, name='gpt'):
     torch.manual_seed(seed)
-    return {k: v.clone() for k, v in GPT.from_preset('tiny', dropout=0.0).state_dict().items()}
+    return {k: v.clone() for k, v in _gpt(name=name).state_dict().items()}
 
 
 def _ids(batch=4, seq=12, seed=1):
@@ -75,20 +79,27 @@ def test_the_cache_is_bounded_by_max_positions():
         model(ids[:, :5], kv_cache=cache)
 
 
-def _rank_cache(rank, state, ids):
-    model = _gpt(state)
+def _rank_cache(rank, state, ids, name='gpt'):
+    model = _gpt(state, name)
     with torch.no_grad():
         last = col_nn.gather_logits(model(ids, last_only=True))
     return tuple(t.cpu() for t in _full_and_incremental(model, ids) + (last,))
 
 
-@pytest.mark.parametrize('config,world', TENSOR_LAYOUTS, ids=LAYOUT_IDS)
-def test_kv_cache_decoding_equals_the_serial_forward_in_every_tensor_mode(config, world):
+LLAMA_LAYOUTS = TENSOR_LAYOUTS + [(dict(parallel=dict(tensor=dict(size=4, mode='1d'))), 4)]
+
+
+@pytest.mark.parametrize('name,config,world',
+                         [('gpt',) + c for c in TENSOR_LAYOUTS]
+                         + [('llama',) + c for c in LLAMA_LAYOUTS],
+                         ids=[f'gpt-{i}' for i in LAYOUT_IDS]
+                         + [f'llama-{i}' for i in LAYOUT_IDS + ['1d-kv-replicated']])
+def test_kv_cache_decoding_equals_the_serial_forward_in_every_tensor_mode(name, config, world):
     """Also ``last_only=True`` (the last position's logits) equals the serial last position."""
-    state, ids = _serial_state(), _ids()
-    expected = _gpt(state)(ids).detach()
+    state, ids = _serial_state(name=name), _ids()
+    expected = _gpt(state, name)(ids).detach()
     tol = 1e-5 * _scale(expected)
-    for full, incremental, last in run_distributed(_rank_cache, world, config, state, ids,
+    for full, incremental, last in run_distributed(_rank_cache, world, config, state, ids, name,
                                                    timeout=300):
         assert (full - expected).abs().max() <= tol
         assert (incremental - expected).abs().max() <= tol

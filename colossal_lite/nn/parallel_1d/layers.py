@@ -68,6 +68,15 @@ class ColumnLinear1D(ShardedModule):
         self.bias = new_parameter((out_features,), (0, self.axis), dtype=dtype,
                                   init=bias_init or linear_bias_init(in_features)) if bias else None
 
+    @property
+    def local_width(self) -> int:
+        """Width of the local (ungathered) output: ``out / p``."""
+        return self.out_features // self.axis.size
+
+    def local_rows(self) -> tuple:
+        """(weight, bias or None) as this rank multiplies them: its own shards."""
+        return self.weight, self.bias
+
     def forward(self, x):
         y = column_matmul(x, self.weight, self.bias, self.axis)
         return gather_from(y, self.axis, -1) if self.gather_output else y
