@@ -174,3 +174,15 @@ def test_registered_models_resolve_presets_and_options():
             register_model('toy', lambda width: width)
     finally:
         unregister_model('toy')
+
+
+def test_sequence_parallel_is_an_option_of_1d_only():
+    layout = parse_parallel(dict(tensor=dict(size=4, mode='1d', sequence_parallel=True)))
+    assert layout.sequence_parallel and layout.with_world_size(8).sequence_parallel
+    assert not parse_parallel(dict(tensor=dict(size=4, mode='1d'))).sequence_parallel
+    with pytest.raises(ConfigError, match="'parallel.tensor.sequence_parallel' applies to mode "
+                                          "'1d'.*got mode '2d'"):
+        parse_parallel(dict(tensor=dict(size=4, mode='2d', sequence_parallel=True)))
+    with pytest.raises(ConfigError, match="'parallel.tensor.sequence_parallel' must be True or "
+                                          "False, got 'yes'"):
+        parse_parallel(dict(tensor=dict(size=2, mode='1d', sequence_parallel='yes')))

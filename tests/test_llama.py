@@ -4,8 +4,9 @@ every layout, through initialize -> execute_schedule -> step.
 The serial reference is the same engine on one rank. Compared at each of 3 AdamW steps:
 the replica-averaged loss, every gathered gradient (after clipping) and the weights.
 Layouts: 1D t=2 (kv heads split) and t=4 (kv heads replicated per group of 2 ranks), 2D,
-2.5D (d=2), 3D, pp=2 x 1D, zero-bubble pp=2, ZeRO-3 x 1D, and a checkpoint written
-under 1D that loads under 2D. Also: the rotary tables, Llama-3 frequency scaling and
+2.5D (d=2), 3D, pp=2 x 1D, zero-bubble pp=2, ZeRO-3 x 1D, 1D with Megatron sequence
+parallelism (t=2, t=4, and under pp=2), and checkpoints written under 1D that load
+under 2D and 3D. Also: the rotary tables, Llama-3 frequency scaling and
 grouped-query attention against their closed forms, and the kv-head errors.
 """
 from __future__ import annotations
@@ -71,6 +72,12 @@ LAYOUTS = {  # id: (world, config, model options)
     'zero-bubble': (2, _config(dict(pipeline=dict(size=2, schedule='zero_bubble')),
                                num_microbatches=4), (('layers', 4),)),
     'zero3xtp2': (4, _config(TP(2), zero=dict(stage=3)), ()),
+    'tp2-sequence-parallel': (2, _config(dict(tensor=dict(size=2, mode='1d',
+                                                          sequence_parallel=True))), ()),
+    'tp4-sequence-parallel': (4, _config(dict(tensor=dict(size=4, mode='1d',
+                                                          sequence_parallel=True))), ()),
+    'pp2xtp2-sequence-parallel': (4, _config(dict(pipeline=2, tensor=dict(
+        size=2, mode='1d', sequence_parallel=True)), num_microbatches=2), (('layers', 4),)),
 }
 
 

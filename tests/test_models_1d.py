@@ -38,3 +38,15 @@ def test_parallel_init_draws_the_serial_weights():
         assert state.keys() == expected.keys()
         for key in expected:
             assert torch.equal(state[key], expected[key]), key
+
+
+@pytest.mark.parametrize('tp', [2, 4])
+def test_gpt_bert_under_1d_sequence_parallel_equal_serial(tp):
+    """Megatron's sequence parallelism inside 1D: norms, dropout and residuals on sequence
+    blocks, all_gather / reduce_scatter at the regions (ViT's 17 tokens do not split)."""
+    names = ('gpt', 'bert')
+    states, expected = serial_traces(names)
+    config = dict(parallel=dict(tensor=dict(size=tp, mode='1d', sequence_parallel=True)))
+    results = run_distributed(rank_traces, tp, config, states, timeout=600)
+    for name in names:
+        assert_matches_serial([r[name] for r in results], expected[name])

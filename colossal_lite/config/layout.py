@@ -3,14 +3,15 @@
 (the graph-level planner's options) as :class:`AutoSettings`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Tuple
 
-from .checks import ConfigError, check_keys, integer_root, mapping, positive_int, positive_number
+from .checks import (ConfigError, check_keys, flag, integer_root, mapping, positive_int,
+                     positive_number)
 from .families import TENSOR_MODES
 
 PARALLEL_KEYS = ('data', 'pipeline', 'tensor', 'auto')
-TENSOR_KEYS = ('size', 'mode', 'depth')
+TENSOR_KEYS = ('size', 'mode', 'depth', 'sequence_parallel', 'zigzag')
 AUTO_KEYS = ('level', 'mesh', 'memory_gb')
 AUTO_LEVELS = ('fast', 'optimal')
 
@@ -22,6 +23,11 @@ class ParallelLayout:
     ``mode`` is the tensor-parallel family (None when tensor == 1 and no mode
     was asked for). ``depth`` is the 2.5D depth d (1 otherwise). ``data`` may be
     None until the world size is known (see :meth:`with_world_size`).
+    ``sequence_parallel``: Megatron's sequence parallelism inside 1D tensor parallelism
+    (activations outside the parallel regions split along the sequence).
+    ``zigzag`` (``parallel.tensor.zigzag``, mode 'sequence'; default True): SEQUENCE rank r
+    holds chunks r and 2P-1-r of 2P equal chunks (balanced causal attention) instead of
+    the contiguous block r (``nn/sequence/layout.py``).
     """
 
     pipeline: int = 1
@@ -29,6 +35,8 @@ class ParallelLayout:
     mode: Optional[str] = None
     depth: int = 1
     data: Optional[int] = None
+    sequence_parallel: bool = False
+    zigzag: bool = True
 
     @property
     def tensor_grid(self) -> int:
@@ -58,7 +66,7 @@ class ParallelLayout:
             raise ConfigError(
                 f"'parallel.data' = {self.data} disagrees with world size {world_size} / "
                 f"(pipeline*tensor = {model_parallel}) = {data}")
-        return ParallelLayout(self.pipeline, self.tensor, self.mode, self.depth, data)
+        return replace(self, data=data)
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,19 @@ def parse_parallel(parallel: Optional[Mapping]) -> ParallelLayout:
         if size % depth or integer_root(size // depth, 2) is None:
             raise ConfigError(f"2.5D tensor parallelism needs 'parallel.tensor.size' = depth*q*q; "
                               f"got size={size}, depth={depth}")
-    return ParallelLayout(pipeline=pipeline, tensor=size, mode=mode, depth=depth or 1, data=data)
+    sequence_parallel = flag(tensor.get('sequence_parallel', False),
+                             'parallel.tensor.sequence_parallel')
+    if sequence_parallel and mode != '1d':
+        raise ConfigError(f"'parallel.tensor.sequence_parallel' applies to mode '1d' (Megatron's "
+                          f"sequence parallelism inside 1D tensor parallelism), got mode {mode!r}; "
+                          f"mode 'sequence' splits the sequence on its own")
+    zigzag = tensor.get('zigzag', None)
+    if zigzag is not None and mode != 'sequence':
+        raise ConfigError(f"'parallel.tensor.zigzag' applies only to mode 'sequence', "
+                          f"got zigzag={zigzag!r} with mode {mode!r}")
+    zigzag = True if zigzag is None else flag(zigzag, 'parallel.tensor.zigzag')
+    return ParallelLayout(pipeline=pipeline, tensor=size, mode=mode, depth=depth or 1, data=data,
+                          sequence_parallel=sequence_parallel, zigzag=zigzag)
 
 
 def parse_auto(parallel: Optional[Mapping]) -> Optional[AutoSettings]:

@@ -16,7 +16,8 @@ do not is a ValueError on the sending side.
 **Scatter-gather.** Under 1D tensor parallelism the activation between stages is replicated
 over the t ranks of PARALLEL_1D: each rank sends only its 1/t slice of the flattened tensor
 and the receiving stage all-gathers the slices over PARALLEL_1D (Megatron's), so the link
-carries 1/t of the bytes. Other modes send each rank's own shard to the same tensor
+carries 1/t of the bytes. Other modes, and 1D with sequence parallelism (whose activation
+is already the rank's sequence block), send each rank's own shard to the same tensor
 position of the next stage.
 
 **Buffers.** Sends are non-blocking; a sent buffer is kept until the send is known to be
@@ -103,8 +104,9 @@ class StageLink:
         self.axis = ctx.axis(ParallelMode.PIPELINE)
         self.stages = stages
         self.device = ctx.device
-        mode = ctx.layout.mode if ctx.layout is not None else None
-        self.slice_axis = ctx.axis(ParallelMode.PARALLEL_1D) if mode == '1d' else None
+        replicated = ctx.layout is not None and ctx.layout.mode == '1d' \
+            and not ctx.layout.sequence_parallel  # sequence parallel: already split
+        self.slice_axis = ctx.axis(ParallelMode.PARALLEL_1D) if replicated else None
         if self.slice_axis is not None and self.slice_axis.size == 1:
             self.slice_axis = None
         self.pending: Dict[MessageKey, List] = {}

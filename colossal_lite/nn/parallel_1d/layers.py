@@ -6,6 +6,14 @@ last dim) and closes with a row-parallel linear (input split, output summed).
 Each layer's docstring gives the sharding of its weights (``full -> local``)
 and the collectives it issues. With a one-rank group every layer is exactly
 the serial torch layer; serial runs and pure data parallelism use them so.
+
+Sequence parallelism (``tensor=dict(mode='1d', sequence_parallel=True)``, Megatron's):
+outside the regions an activation is rank r's sequence block ``[b, s/p, h]``. A region
+opens with an all_gather along the sequence (backward: reduce_scatter of dx) instead of
+the identity (backward: all_reduce), and closes with a reduce_scatter along the sequence
+instead of an all_reduce -- the same bytes, and the norms, dropout and residuals between
+regions hold 1/p of the tokens. Their replicated weights see only the local tokens, so
+their gradients are summed over the group (``copy_to``).
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...communication import copy_to, gather_from, reduce_from, split_to
+from ...communication import copy_to, gather_from, reduce_from, reduce_scatter_to, split_to
 from ...communication.collective import check_divisible
 from ...context import ParallelMode, ProcessGroupAxis, current_context, seed
 from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
@@ -31,6 +39,36 @@ def default_axis() -> ProcessGroupAxis:
     if ctx.tensor_mode == '1d':
         return ctx.axis(ParallelMode.PARALLEL_1D)
     return ProcessGroupAxis.serial(ParallelMode.PARALLEL_1D)
+
+
+def sequence_dim(axis: ProcessGroupAxis) -> Optional[int]:
+    """1 (the sequence dim of ``[b, s, h]``) when the launched layout runs sequence
+    parallelism inside 1D tensor parallelism over ``axis`` (more than one rank), else None."""
+    ctx = current_context()
+    on = ctx.tensor_mode == '1d' and ctx.layout.sequence_parallel and axis.size > 1
+    return 1 if on else None
+
+
+def tokens_dim(seq_dim: Optional[int], x: torch.Tensor) -> Optional[int]:
+    """``seq_dim`` for token activations ``[b, s(/p), ..]``; None for per-sample ones
+    ``[b, h]`` (a pooled first token), which stay replicated under sequence parallelism."""
+    return seq_dim if x.dim() >= 3 else None
+
+
+def to_sequence_block(x: torch.Tensor, axis: ProcessGroupAxis, seq_dim: Optional[int],
+                      what: str = 'sequence length') -> torch.Tensor:
+    """A replicated ``[b, s, ..]`` as this rank's block ``[b, s/p, ..]`` under sequence
+    parallelism (gradient blocks all_gathered backward); ``x`` itself otherwise."""
+    if seq_dim is None:
+        return x
+    check_sequence_block(x.shape[seq_dim], axis, what)
+    return split_to(x, axis, seq_dim)
+
+
+def check_sequence_block(length: int, axis: ProcessGroupAxis, what: str = 'sequence length'):
+    if length % axis.size:
+        raise ValueError(f'sequence parallelism inside 1D tensor parallelism needs the {what} '
+                         f'divisible by the tensor size p={axis.size}, got {length}')
 
 
 def linear_weight_init(fan_in: int) -> Init:
@@ -52,7 +90,9 @@ class ColumnLinear1D(ShardedModule):
 
     Input replicated [.., in]; output [.., out/p] (or gathered [.., out]).
     Forward: none (all_gather of y if ``gather_output``). Backward: all_reduce of dx,
-    overlapped with the weight-gradient matmul (``overlap.py``).
+    overlapped with the weight-gradient matmul (``overlap.py``). Sequence parallel: input
+    ``[b, s/p, in]`` all_gathered along the sequence (backward reduce_scatter of dx); a
+    gathered output is cut back to the rank's sequence block.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -63,6 +103,7 @@ class ColumnLinear1D(ShardedModule):
         self.axis = axis or default_axis()
         _check(out_features, self.axis.size, 'Linear out_features (1D column split)')
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
+        self.seq_dim = sequence_dim(self.axis)
         self.weight = new_parameter((out_features, in_features), (0, self.axis),
                                     init=weight_init or linear_weight_init(in_features), dtype=dtype)
         self.bias = new_parameter((out_features,), (0, self.axis), dtype=dtype,
@@ -78,8 +119,11 @@ class ColumnLinear1D(ShardedModule):
         return self.weight, self.bias
 
     def forward(self, x):
-        y = column_matmul(x, self.weight, self.bias, self.axis)
-        return gather_from(y, self.axis, -1) if self.gather_output else y
+        seq_dim = tokens_dim(self.seq_dim, x)
+        y = column_matmul(x, self.weight, self.bias, self.axis, seq_dim)
+        if not self.gather_output:
+            return y
+        return to_sequence_block(gather_from(y, self.axis, -1), self.axis, seq_dim)
 
 
 class RowLinear1D(ShardedModule):
@@ -87,7 +131,8 @@ class RowLinear1D(ShardedModule):
 
     Input [.., in/p] (or replicated [.., in], split locally); output replicated [.., out].
     Forward: all_reduce of the partial products. Backward: none (all_gather of dx
-    if the input was replicated).
+    if the input was replicated). Sequence parallel: reduce_scatter along the sequence
+    -> ``[b, s/p, out]``; the bias gradient summed over the group.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -99,6 +144,7 @@ class RowLinear1D(ShardedModule):
         _check(in_features, self.axis.size, 'Linear in_features (1D row split)')
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
+        self.seq_dim = sequence_dim(self.axis)
         self.weight = new_parameter((out_features, in_features), (1, self.axis),
                                     init=weight_init or linear_weight_init(in_features), dtype=dtype)
         self.bias = new_parameter((out_features,), dtype=dtype,
@@ -107,8 +153,13 @@ class RowLinear1D(ShardedModule):
     def forward(self, x):
         if not self.input_is_parallel:
             x = split_to(x, self.axis, -1)
-        y = reduce_from(F.linear(x, self.weight), self.axis, inplace=True)
-        return y + self.bias if self.bias is not None else y
+        seq_dim = tokens_dim(self.seq_dim, x)
+        if seq_dim is None:
+            y = reduce_from(F.linear(x, self.weight), self.axis, inplace=True)
+            return y + self.bias if self.bias is not None else y
+        check_sequence_block(x.shape[seq_dim], self.axis)
+        y = reduce_scatter_to(F.linear(x, self.weight), self.axis, seq_dim)
+        return y + copy_to(self.bias, self.axis) if self.bias is not None else y
 
 
 def linear_1d(in_features: int, out_features: int, bias: bool = True,
@@ -142,14 +193,16 @@ def qkv_1d(x, query: ColumnLinear1D, key, value):
                      lambda layer: not layer.gather_output
                      and layer.axis.group is query.axis.group, "'enter' (gather_output=False) "
                      'over one axis')
+    seq_dim = query.seq_dim
     if not any(isinstance(layer, GroupedKVLinear1D) for layer in layers):
-        return fused_projection(x, layers, lambda w, b: column_matmul_rows(x, w, b, query.axis),
-                                blocks=True)
+        return fused_projection(x, layers, lambda w, b: column_matmul_rows(
+            x, w, b, query.axis, seq_dim), blocks=True)
 
     def project(weights, biases):  # the replicated kv layers contribute their own rows
         rows = [layer.local_rows() for layer in layers]
         return column_matmul_rows(x, [w for w, _ in rows],
-                                  None if biases is None else [b for _, b in rows], query.axis)
+                                  None if biases is None else [b for _, b in rows], query.axis,
+                                  seq_dim)
 
     widths = [layer.local_width for layer in layers]
     return fused_projection(x, layers, project, split=lambda y: y.split(widths, dim=-1),
@@ -180,7 +233,7 @@ class GroupedKVLinear1D(ShardedModule):
         out_features = kv_heads * head_dim
         self.in_features, self.out_features, self.gather_output = in_features, out_features, False
         self.head_dim, self.kv_head = head_dim, self.axis.rank * kv_heads // p
-        self.local_width = head_dim
+        self.local_width, self.seq_dim = head_dim, sequence_dim(self.axis)
         self.weight = new_parameter((out_features, in_features), dtype=dtype,
                                     init=weight_init or linear_weight_init(in_features))
         self.bias = new_parameter((out_features,), dtype=dtype,
@@ -196,7 +249,7 @@ class GroupedKVLinear1D(ShardedModule):
         return rows(self.weight), rows(self.bias)
 
     def forward(self, x):
-        return column_matmul(x, *self.local_rows(), self.axis)
+        return column_matmul(x, *self.local_rows(), self.axis, self.seq_dim)
 
 
 def kv_linear_1d(in_features: int, kv_heads: int, head_dim: int, num_heads: int,
@@ -273,7 +326,8 @@ class VocabParallelEmbedding1D(ShardedModule):
     """Lookup with the vocabulary split: weight [V, h] -> [V/p, h]; out replicated [b, s, h].
 
     Ids outside this rank's range give zeros; forward all_reduce sums the rows.
-    Backward: none.
+    Backward: none. Sequence parallel: reduce_scatter along the sequence instead ->
+    ``[b, s/p, h]`` (backward all_gather).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
@@ -285,7 +339,7 @@ class VocabParallelEmbedding1D(ShardedModule):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_start = self.axis.rank * (num_embeddings // self.axis.size)
         self.vocab_end = self.vocab_start + num_embeddings // self.axis.size
-        self.padding_idx = padding_idx
+        self.padding_idx, self.seq_dim = padding_idx, sequence_dim(self.axis)
         self.weight = new_parameter((num_embeddings, embedding_dim), (0, self.axis), dtype=dtype,
                                     init=embedding_init(padding_idx, weight_init))
 
@@ -295,7 +349,10 @@ class VocabParallelEmbedding1D(ShardedModule):
         check_ids(ids, self.num_embeddings, 'VocabParallelEmbedding')
         out = vocab_range_lookup(ids, self.weight, self.vocab_start, self.vocab_end,
                                  self.padding_idx)
-        return reduce_from(out, self.axis)
+        if self.seq_dim is None:
+            return reduce_from(out, self.axis)
+        check_sequence_block(ids.shape[self.seq_dim], self.axis)
+        return reduce_scatter_to(out, self.axis, self.seq_dim)
 
 
 def embedding_init(padding_idx: Optional[int], base: Optional[Init] = None) -> Init:
@@ -314,6 +371,7 @@ class Embedding1D(ShardedModule):
     """Lookup with the hidden dim split: weight [V, h] -> [V, h/p]; out replicated [b, s, h].
 
     Forward: all_gather along the hidden dim. Backward: none (keep own chunk).
+    Sequence parallel: then the rank's sequence block (backward all_gather of its gradient).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
@@ -323,11 +381,13 @@ class Embedding1D(ShardedModule):
         self.axis = axis or default_axis()
         _check(embedding_dim, self.axis.size, 'Embedding embedding_dim (1D hidden split)')
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.seq_dim = sequence_dim(self.axis)
         self.weight = new_parameter((num_embeddings, embedding_dim), (1, self.axis), dtype=dtype,
                                     init=embedding_init(padding_idx, weight_init))
 
     def forward(self, ids):
-        return gather_from(F.embedding(ids, self.weight, self.padding_idx), self.axis, -1)
+        out = gather_from(F.embedding(ids, self.weight, self.padding_idx), self.axis, -1)
+        return to_sequence_block(out, self.axis, self.seq_dim)
 
 
 class VocabParallelClassifier1D(ShardedModule):
@@ -335,6 +395,8 @@ class VocabParallelClassifier1D(ShardedModule):
 
     Output [.., C/p], tagged vocab-parallel for the loss. Forward: none.
     Backward: all_reduce of dx. ``weight`` ties it to a VocabParallelEmbedding's weight.
+    Sequence parallel: input ``[b, s/p, h]`` all_gathered along the sequence first
+    (backward reduce_scatter of dx), so the logits are ``[b, s, C/p]`` as without it.
     """
 
     def __init__(self, in_features: int, num_classes: int, bias: bool = False,
@@ -345,6 +407,7 @@ class VocabParallelClassifier1D(ShardedModule):
         self.axis = axis or default_axis()
         _check(num_classes, self.axis.size, 'VocabParallelClassifier num_classes')
         self.in_features, self.num_classes = in_features, num_classes
+        self.seq_dim = sequence_dim(self.axis)
         self.weight = tied_or_new_parameter(weight, (num_classes, in_features), (0, self.axis),
                                             init=weight_init or linear_weight_init(in_features),
                                             dtype=dtype)
@@ -352,7 +415,7 @@ class VocabParallelClassifier1D(ShardedModule):
                                   init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
-        logits = column_matmul(x, self.weight, self.bias, self.axis)
+        logits = column_matmul(x, self.weight, self.bias, self.axis, tokens_dim(self.seq_dim, x))
         return tag(logits, (-1, self.axis))
 
 
@@ -393,20 +456,27 @@ def zeros_init(t, g):
 
 class LayerNorm1D(ShardedModule):
     """LayerNorm (``rms=True``: RMSNorm, weight only) on replicated activations; weight and
-    bias ``[h]`` replicated. No communication."""
+    bias ``[h]`` replicated. No communication; sequence parallel: the input is the rank's
+    sequence block and the weight and bias gradients are all_reduced over the group."""
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, dtype=None, axis=None,
                  rms: bool = False):
         super().__init__()
         self.normalized_shape, self.eps, self.rms = (normalized_shape,), eps, rms
+        self.axis = axis or default_axis()
+        self.seq_dim = sequence_dim(self.axis)
         self.weight = new_parameter((normalized_shape,), init=ones_init, dtype=dtype)
         self.bias = None if rms else new_parameter((normalized_shape,), init=zeros_init,
                                                    dtype=dtype)
 
     def forward(self, x):
+        weight, bias = self.weight, self.bias
+        if tokens_dim(self.seq_dim, x) is not None:  # own tokens: the gradients are partial
+            weight = copy_to(weight, self.axis)
+            bias = None if bias is None else copy_to(bias, self.axis)
         if self.rms:
-            return rms_norm(x, self.weight, self.eps)
-        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+            return rms_norm(x, weight, self.eps)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -420,23 +490,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Dropout1D(nn.Module):
     """Dropout; ``inside_region`` marks sharded activations, whose ranks draw independent
     masks from the TENSOR stream. Replicated activations use the default stream, which is
-    the same on every rank, so their masks agree."""
+    the same on every rank, so their masks agree; under sequence parallelism every
+    activation outside the regions is the rank's own tokens (TENSOR stream too)."""
 
     def __init__(self, p: float = 0.5, inside_region: bool = False,
                  axis: Optional[ProcessGroupAxis] = None):
         super().__init__()
         self.p, self.inside_region = p, inside_region
         self.axis = axis or default_axis()
+        self.seq_dim = sequence_dim(self.axis)
 
-    def rng(self):
-        if self.inside_region and self.axis.size > 1:
+    def rng(self, x: Optional[torch.Tensor] = None):
+        split = self.inside_region or (x is not None and tokens_dim(self.seq_dim, x) is not None)
+        if split and self.axis.size > 1:
             return seed(ParallelMode.TENSOR)
         return contextlib.nullcontext()
 
     def forward(self, x):
         if not self.training or self.p == 0:
             return x
-        with self.rng():
+        with self.rng(x):
             return F.dropout(x, self.p, True)
 
 
@@ -490,4 +563,6 @@ class PatchEmbedding1D(PatchParameters):
         super().__init__(img_size, patch_size, in_chans, embed_size, None, dtype)
 
     def forward(self, images):
-        return self.embed(images)
+        axis = default_axis()
+        return to_sequence_block(self.embed(images), axis, sequence_dim(axis),
+                                 'number of tokens (1 class token + patches)')

@@ -9,7 +9,8 @@ from torch import nn
 
 from ...context import ParallelMode, ProcessGroupAxis, seed
 from ..functional import attention
-from .layers import default_axis
+from ...communication import gather_from
+from .layers import default_axis, sequence_dim
 
 
 class AttentionCore1D(nn.Module):
@@ -37,7 +38,11 @@ class AttentionCore1D(nn.Module):
 
 
 def first_token_1d(x: torch.Tensor) -> torch.Tensor:
-    """``x[:, 0]``: activations are replicated, no communication."""
+    """``x[:, 0]``: activations are replicated, no communication (sequence parallel: the
+    sequence blocks are all_gathered first, the gradient kept per block)."""
+    axis = default_axis()
+    if sequence_dim(axis) is not None:
+        x = gather_from(x, axis, 1)
     return x[:, 0]
 
 

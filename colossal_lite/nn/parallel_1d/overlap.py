@@ -5,6 +5,10 @@
               dW = dy^T x, db = sum dy                    (computed while dx travels)
               wait(dx)
 
+Under sequence parallelism (x split along the sequence, Megatron-style) the forward
+all_gathers x first; backward re-gathers it while dx = dy W is computed, then
+reduce_scatters dx while dW is computed, so only the local chunk of x is kept.
+
 The counts equal ``copy_to`` + ``F.linear``: one all_reduce of dx per call. Under
 autocast the operands are cast as autocast would cast them and saved in that dtype, so
 backward needs no autocast context; gradients are returned in the inputs' dtypes.
@@ -30,10 +34,15 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 class _ColumnMatmul(torch.autograd.Function):
     """``blocks`` weights ``[rows_i, in]`` then their biases (or none): W and b are their
     row-wise joins (a view when adjacent, ``tensor.adjacent.joined_rows``), and backward
-    hands each block its rows of dW, db (views)."""
+    hands each block its rows of dW, db (views).
+
+    ``seq_dim`` None: x is replicated; backward all_reduces dx (overlapped with dW).
+    ``seq_dim`` = d (sequence parallelism): x is this rank's chunk of dim d; forward
+    all_gathers it along d and saves only the chunk; backward all_gathers it again (async,
+    overlapped with dx = dy W) and reduce_scatters dx along d."""
 
     @staticmethod
-    def forward(ctx, x, axis, blocks, *params):
+    def forward(ctx, x, axis, seq_dim, blocks, *params):
         weights, biases = params[:blocks], params[blocks:]
         weight = weights[0] if blocks == 1 else joined_rows(weights)
         bias = None if not biases else biases[0] if blocks == 1 else joined_rows(biases)
@@ -44,10 +53,11 @@ class _ColumnMatmul(torch.autograd.Function):
         if cast is not None:
             x, weight = x.to(cast), weight.to(cast)
             bias = None if bias is None else bias.to(cast)
+        full = x if seq_dim is None else C.all_gather(x, axis, seq_dim)
         with torch.autocast(device_type=device_type, enabled=False):
-            y = F.linear(x, weight, bias)
+            y = F.linear(full, weight, bias)
         ctx.save_for_backward(x, weight)
-        ctx.axis, ctx.has_bias = axis, bias is not None
+        ctx.axis, ctx.seq_dim, ctx.has_bias = axis, seq_dim, bias is not None
         return y
 
     @staticmethod
@@ -55,28 +65,35 @@ class _ColumnMatmul(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         dy = dy.to(weight.dtype)
-        dx = dy.matmul(weight)
-        pending = C.all_reduce(dx, ctx.axis, async_op=True, inplace=True)
+        if ctx.seq_dim is None:
+            full = x
+            pending = C.all_reduce(dy.matmul(weight), ctx.axis, async_op=True, inplace=True)
+        else:
+            gathering = C.all_gather(x, ctx.axis, ctx.seq_dim, async_op=True)
+            dx_full = dy.matmul(weight)
+            full = gathering.wait()
+            pending = C.reduce_scatter(dx_full, ctx.axis, ctx.seq_dim, async_op=True)
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dw = dy2d.t().matmul(x.reshape(-1, x.shape[-1])).to(w_dtype).split(ctx.rows)
+        dw = dy2d.t().matmul(full.reshape(-1, full.shape[-1])).to(w_dtype).split(ctx.rows)
         db = dy2d.sum(0).to(b_dtype).split(ctx.rows) if ctx.has_bias else ()
-        return (pending.wait().to(x_dtype), None, None) + dw + db
+        return (pending.wait().to(x_dtype), None, None, None) + dw + db
 
 
 def column_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  axis: ProcessGroupAxis) -> torch.Tensor:
-    """``F.linear(copy_to(x, axis), weight, bias)`` with the overlapped backward above."""
+                  axis: ProcessGroupAxis, seq_dim: Optional[int] = None) -> torch.Tensor:
+    """``F.linear(copy_to(x, axis), weight, bias)`` with the overlapped backward above;
+    ``seq_dim``: x is split along it (sequence parallelism), gathered here."""
     if axis.size == 1:
         return F.linear(x, weight, bias)
-    return _ColumnMatmul.apply(x, axis, 1, weight, *(() if bias is None else (bias,)))
+    return _ColumnMatmul.apply(x, axis, seq_dim, 1, weight, *(() if bias is None else (bias,)))
 
 
 def column_matmul_rows(x: torch.Tensor, weights: Sequence[torch.Tensor],
                        biases: Optional[Sequence[torch.Tensor]],
-                       axis: ProcessGroupAxis) -> torch.Tensor:
+                       axis: ProcessGroupAxis, seq_dim: Optional[int] = None) -> torch.Tensor:
     """:func:`column_matmul` of the row-wise joins of ``weights`` and ``biases`` (None: no
     bias): no copy when they are adjacent (``tensor.adjacent``), and one autograd node
     for the join and the matmul when ``axis`` has more than one rank."""
     if axis.size == 1:
         return F.linear(x, *join_rows(weights, biases))
-    return _ColumnMatmul.apply(x, axis, len(weights), *weights, *(biases or ()))
+    return _ColumnMatmul.apply(x, axis, seq_dim, len(weights), *weights, *(biases or ()))
