@@ -1,13 +1,14 @@
-"""model_zoo GPT (serial) vs Hugging Face GPT2LMHeadModel: one training step on CPU.
+"""model_zoo GPT / Llama (serial) vs Hugging Face GPT2LMHeadModel / LlamaForCausalLM: one
+training step on CPU.
 
 Same config and the same weights (HF's converted by model_zoo.hf); the script first
 checks that both give the same loss and logits, then times forward + loss + backward
 + AdamW step, the two models alternated round by round, and reports the median of the
-per-round time ratios (ours / theirs; target <= 1.0), on two clocks: wall time and
-the process's CPU time (the robust one on a shared, oversubscribed machine).
+per-round time ratios (ours / theirs; target: GPT <= 1.0, Llama <= 0.85), on two clocks:
+wall time and the process's CPU time (the robust one on a shared, oversubscribed machine).
 
-    python benchmarks/gpt_serial_vs_hf.py [--hidden 256 --layers 4 --seq 128 --batch 8]
-Writes benchmarks/results/gpt_serial_vs_hf.json.
+    python benchmarks/serial_vs_hf.py --model gpt|llama [--hidden 256 --layers 4 --seq 128]
+Writes benchmarks/results/<model>_serial_vs_hf.json.
 """
 from __future__ import annotations
 
@@ -21,18 +22,35 @@ import torch  # noqa: E402
 
 from benchmarks._common import (adamw_step as step_fn, environment, print_table,  # noqa: E402
                                 timed_ratios, write_json)
-from model_zoo import GPTLMLoss  # noqa: E402
+from model_zoo import GPTLMLoss, Llama  # noqa: E402
 from model_zoo.hf import gpt_from_hf  # noqa: E402
+
+
+def _gpt(args, transformers):
+    cfg = transformers.GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
+                                  n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    hf = transformers.GPT2LMHeadModel(cfg)
+    return hf, gpt_from_hf(hf)
+
+
+def _llama(args, transformers):
+    cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                   num_key_value_heads=args.kv_heads,
+                                   intermediate_size=args.intermediate,
+                                   max_position_embeddings=args.seq, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(cfg)
+    return hf, Llama.from_hf(hf)
+
+
+MODELS = {'gpt': (_gpt, 1.0), 'llama': (_llama, 0.85)}  # builder, target ratio
 
 
 def build(args):
     import transformers
-    cfg = transformers.GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
-                                  n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(cfg)
-    ours = gpt_from_hf(hf)
+    hf, ours = MODELS[args.model][0](args, transformers)
     return hf.train(), ours.train()
 
 
@@ -50,9 +68,12 @@ def check_equal(hf, ours, ids) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--model', choices=sorted(MODELS), default='gpt')
     p.add_argument('--hidden', type=int, default=256)
     p.add_argument('--layers', type=int, default=4)
     p.add_argument('--heads', type=int, default=4)
+    p.add_argument('--kv-heads', type=int, default=2, help='Llama only')
+    p.add_argument('--intermediate', type=int, default=688, help='Llama only')
     p.add_argument('--seq', type=int, default=128)
     p.add_argument('--batch', type=int, default=8)
     p.add_argument('--vocab', type=int, default=8192)
@@ -77,12 +98,13 @@ def main():
                      f"{args.batch * args.seq / med['ours']:.0f}",
                      f"{res['ratio_ours_over_theirs']:.3f}"])
     print_table(rows)
-    print('ratio = median of per-round ratios (alternated rounds); target <= 1.0. cpu = process '
-          'CPU time, robust to a shared machine; wall = elapsed time')
-    path = write_json('gpt_serial_vs_hf', {
+    target = MODELS[args.model][1]
+    print(f'ratio = median of per-round ratios (alternated rounds); target <= {target}. cpu = '
+          'process CPU time, robust to a shared machine; wall = elapsed time')
+    path = write_json(f'{args.model}_serial_vs_hf', {
         'what': 'training step (forward, loss, backward, AdamW) on CPU, fp32, alternated rounds',
         'config': vars(args), 'equality_check': check, 'times_s_per_step': times,
-        'target_ratio': 1.0, 'environment': environment(), 'summary': summary,
+        'target_ratio': target, 'environment': environment(), 'summary': summary,
         'ratio_ours_over_hf': {c: r['ratio_ours_over_theirs'] for c, r in summary.items()}})
     print(f'wrote {path}')
 
