@@ -3,8 +3,8 @@ transformers directory (config + safetensors).
 
 One process, no process group: the job's model is built serially (its config from the
 checkpoint), the weights loaded (``checkpoint.load_model``, full tensors) and the model's
-own ``save_hf(DIR)`` writes the directory (``model_zoo``: GPT-2 / BERT / ViT, vocabulary
-padding cut back). Errors before anything is written give exit status 2.
+own ``save_hf(DIR)`` writes the directory (``model_zoo``: GPT-2 / BERT / ViT / Llama,
+vocabulary padding cut back). Errors before anything is written give exit status 2.
 """
 from __future__ import annotations
 

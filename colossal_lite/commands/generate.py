@@ -1,5 +1,6 @@
 """``colossal-lite generate CKPT --prompt TEXT --tokens N [--nproc N] [--tensor-mode M]
-[--depth D] [--top-k K] [--temperature T] [--seed S]``: text from a trained GPT.
+[--depth D] [--top-k K] [--temperature T] [--seed S]``: text from a trained causal LM
+(GPT, Llama).
 
 In the parent (exit status 2 and one line on stderr when any fails, before a worker
 starts): the checkpoint's job config, the layout of ``--nproc`` against ``--tensor-mode``,
@@ -23,7 +24,7 @@ from ._from_checkpoint import (PARENT_ERRORS, add_layout_arguments, check_model,
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        'generate', help='sample text from a trained GPT checkpoint (greedy or top-k)',
+        'generate', help='sample text from a trained GPT or Llama checkpoint (greedy or top-k)',
         epilog='example: colossal-lite generate runs/ckpt --prompt "ROMEO:" --tokens 200 --nproc 2')
     add_layout_arguments(parser)
     parser.add_argument('--prompt', required=True, help='the text to continue')
@@ -43,7 +44,7 @@ def prepare(args):
     spec = cfg.settings.job
     if not hasattr(model, 'new_kv_cache'):
         raise ValueError(f'the checkpoint holds a {spec.kind!r} model; generate needs a causal '
-                         f'language model with a KV cache (gpt)')
+                         f'language model with a KV cache (gpt, llama)')
     encode, _ = job_tokenizer(spec)
     ids = encode(args.prompt)
     check_arguments(model, len(ids), args.tokens, args.top_k, args.temperature)

@@ -51,7 +51,7 @@ def load_source(source, fam: HFFamily):
                              f'save_pretrained (no download); {path!r} is not a directory')
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         _check_type(config, fam)
-        name = (config.architectures or [next(iter(fam.classes))])[0]
+        name = (config.architectures or [fam.hf_class(config)])[0]
         _check_class(name, fam)
         with torch.random.fork_rng(devices=[]):  # HF's init must not move this rank's RNG
             return getattr(transformers, name).from_pretrained(path, local_files_only=True)
@@ -64,8 +64,12 @@ def load_source(source, fam: HFFamily):
 
 
 def _check_type(config, fam: HFFamily):
-    if config.model_type != fam.model_type:
-        raise ValueError(f"{fam.name}.from_hf reads model_type '{fam.model_type}'; the HF "
+    if config.model_type in fam.unsupported:
+        raise ValueError(f'{fam.name}.from_hf cannot read model_type={config.model_type!r}: '
+                         f'{fam.unsupported[config.model_type](config)}')
+    if config.model_type not in fam.model_types:
+        types = ', '.join(repr(t) for t in fam.model_types)
+        raise ValueError(f"{fam.name}.from_hf reads model_type {types}; the HF "
                          f"config has model_type={config.model_type!r}")
 
 

@@ -77,6 +77,7 @@ def write(fam: HFFamily, model, state: State, directory: str) -> None:
         state = {k: v[:vocab] if k in fam.vocab_keys else v for k, v in state.items()}
     class_name, hf_state = fam.to_hf(state, args)
     config = fam.config(args, vocab, getattr(model, 'hf_config', None) or {})
+    class_name = class_name or fam.hf_class(config)
     with torch.random.fork_rng(devices=[]):  # HF's random init must not move rank 0's RNG
         hf_model = getattr(transformers, class_name)(config)
     hf_model.load_state_dict({k: v.detach().cpu().contiguous() for k, v in hf_state.items()},

@@ -1,15 +1,16 @@
 """What one model family needs to convert to and from Hugging Face: :class:`HFFamily`.
 
 A family is a small table of functions (one module per family: ``gpt2.py``, ``bert.py``,
-``vit.py``); ``convert.py`` and ``export.py`` hold the shared machinery. Weights travel
-as *full* (unsharded) state dicts with our serial keys on one side and the HF model's
-keys on the other; sharding is left to our models' ``load_state_dict`` / ``state_dict``.
+``vit.py``, ``llama.py``); ``convert.py`` and ``export.py`` hold the shared machinery.
+Weights travel as *full* (unsharded) state dicts with our serial keys on one side and the
+HF model's keys on the other; sharding is left to our models' ``load_state_dict`` /
+``state_dict``.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -20,8 +21,10 @@ State = Dict[str, torch.Tensor]
 class HFFamily:
     """One family's conversion.
 
-    * ``model_type``: the HF ``config.model_type``; ``classes``: the HF classes read
-      (``from_hf``), each mapped to the HF key prefix of its body (``'transformer.'``, ...).
+    * ``model_type``: the HF ``config.model_type`` (or a tuple of them: one family, one key
+      layout, several HF model types, e.g. llama / mistral / qwen2); ``classes``: the HF
+      classes read (``from_hf``), each mapped to the HF key prefix of its body
+      (``'transformer.'``, ...).
     * ``kwargs(hf_config, hf_class) -> dict``: our constructor's arguments (a ValueError
       naming the HF config field for what ours cannot represent).
     * ``to_ours(reader, kwargs) -> State``: our full state from the HF weights (read
@@ -29,6 +32,12 @@ class HFFamily:
       ``seeded[hf_class]``.
     * ``to_hf(state, kwargs) -> (hf_class, State)``: the class written by ``save_hf`` and
       its full state dict (with prefixes); ``config(kwargs, vocab, base) -> PretrainedConfig``.
+      ``hf_class`` None: the class is ``class_of(config)``.
+    * ``class_of(hf_config) -> str`` (families of several model types): the class of a
+      config's model type, read from a directory whose config names no ``architectures``
+      and written by ``save_hf`` when ``to_hf`` names none (default: the first of ``classes``).
+    * ``unsupported``: HF model types the family knows but cannot read, each mapped to
+      ``reason(hf_config) -> str`` naming the config field (e.g. MoE's ``num_local_experts``).
     * ``vocab_keys``: our keys whose dim 0 is the vocabulary (padded / cut);
       ``vocab_of(hf_config)``: the HF vocabulary size (None: no vocabulary).
     * ``ignored``: regexes of HF keys that are read by nothing on purpose (documented);
@@ -37,7 +46,7 @@ class HFFamily:
     """
 
     name: str
-    model_type: str
+    model_type: Union[str, Tuple[str, ...]]
     classes: Dict[str, str]
     kwargs: Callable
     to_ours: Callable
@@ -47,6 +56,16 @@ class HFFamily:
     vocab_of: Callable = lambda hf_config: None
     ignored: Tuple[str, ...] = ()
     seeded: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+    class_of: Optional[Callable] = None
+    unsupported: Dict[str, Callable] = field(default_factory=dict)
+
+    @property
+    def model_types(self) -> Tuple[str, ...]:
+        return (self.model_type,) if isinstance(self.model_type, str) else tuple(self.model_type)
+
+    def hf_class(self, hf_config) -> str:
+        """The HF class of ``hf_config`` when nothing names one (``class_of``)."""
+        return self.class_of(hf_config) if self.class_of else next(iter(self.classes))
 
 
 _FAMILIES: Dict[str, HFFamily] = {}  # our model class name -> its family

@@ -14,7 +14,7 @@ def constructor_args(frame_locals: Dict[str, Any]) -> Dict[str, Any]:
 
 
 class HFConvertible:
-    """Mixin of GPT, BERT and ViT: Hugging Face import and export (``model_zoo.hf``)."""
+    """Mixin of GPT, BERT, ViT and Llama: Hugging Face import and export (``model_zoo.hf``)."""
 
     @classmethod
     def from_hf(cls, path_or_model, **overrides):
@@ -24,7 +24,7 @@ class HFConvertible:
         the constructor (``dropout=0.0``, a larger ``vocab_size``; architecture options must
         equal HF's). The vocabulary is padded with zero rows to a multiple of the layout's
         vocabulary split (``model_zoo.hf.convert``). Family tables: ``model_zoo.hf.gpt2``,
-        ``.bert``, ``.vit``. No collective beyond building the model."""
+        ``.bert``, ``.vit``, ``.llama``. No collective beyond building the model."""
         from .convert import build
         return build(cls, path_or_model, overrides, family_for(cls))
 
