@@ -197,7 +197,7 @@ BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     ("parallel = dict(tensor=dict(size=8, mode='3d'))\ntrain = dict(global_batch_size=6)", 8,
      "splits each replica's micro-batch of 6 (global batch / data size / num_microbatches) 4 ways"),
     ("parallel = dict(tensor=dict(size=4, mode='sequence'))\n"
-     "data = dict(type='shakespeare', seq_len=66)", 4, "needs 'data.seq_len' divisible by 4, got 66"),
+     "data = dict(type='shakespeare', seq_len=68)", 4, "needs 'data.seq_len' divisible by 8, got 68"),
     ("zero = dict()", 1, "'zero' needs 'zero.stage'"),
     ("optimizer = dict(type='adamw', betas=(0.9,))", 1, "'optimizer.betas' must be two numbers"),
     ("data = dict(type='shakespeare', plays=['nope'])", 1, "'data.plays': unknown plays ['nope']"),
@@ -252,9 +252,9 @@ UNSPLITTABLE = {  # name: (config text, nproc, the key the message names, a frag
     'sequence length': (_edit(TINY, ("tensor=dict(size=2, mode='1d')",
                                      "tensor=dict(size=4, mode='sequence')"),
                               ('seq_len=16', 'seq_len=14')), 4, 'data.seq_len',
-                        "splits the sequence 4 ways"),
+                        "splits the sequence 8 ways"),   # zigzag: 2P chunks
     'vit tokens': (_edit(VIT, ("mode='1d'", "mode='sequence'")), 2, 'model.img_size',
-                   'divisible by 2, got 17'),
+                   'divisible by 4, got 17'),   # zigzag: 2P chunks
     'batch': (_edit(TINY, _3D8, ('global_batch_size=8', 'global_batch_size=6')), 8,
               'train.global_batch_size', "replica's micro-batch of 6 (global batch / data size / num_microbatches) 4 ways"),
     'pipeline layers': ("num_microbatches = 2\n" + _edit(TINY, ("parallel = dict(",

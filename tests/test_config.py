@@ -12,6 +12,10 @@ BAD_CONFIGS = [
     (dict(parallel=dict(tensor=dict(size=8, mode='2.5d'))), "needs 'parallel.tensor.depth'"),
     (dict(parallel=dict(tensor=dict(size=12, mode='2.5d', depth=2))), 'got size=12, depth=2'),
     (dict(parallel=dict(tensor=dict(size=4, mode='2d', depth=2))), "applies only to mode '2.5d'"),
+    (dict(parallel=dict(tensor=dict(size=2, mode='1d', zigzag=True))),
+     "'parallel.tensor.zigzag' applies only to mode 'sequence'"),
+    (dict(parallel=dict(tensor=dict(size=2, mode='sequence', zigzag='yes'))),
+     "'parallel.tensor.zigzag' must be True or False, got 'yes'"),
     (dict(parallel=dict(tensor=dict(size=4, mode='4d'))), "got '4d'"),
     (dict(parallel=dict(tensor=dict(size=4))), "needs a 'parallel.tensor.mode'"),
     (dict(parallel=dict(tensor=4)), "must be a dict like"),
@@ -186,3 +190,11 @@ def test_sequence_parallel_is_an_option_of_1d_only():
     with pytest.raises(ConfigError, match="'parallel.tensor.sequence_parallel' must be True or "
                                           "False, got 'yes'"):
         parse_parallel(dict(tensor=dict(size=2, mode='1d', sequence_parallel='yes')))
+
+
+def test_sequence_layout_is_zigzag_unless_asked_otherwise():
+    """``parallel.tensor.zigzag`` (mode 'sequence'): default True, kept through the world size."""
+    zigzag = parse_parallel(dict(tensor=dict(size=2, mode='sequence'))).with_world_size(4)
+    assert zigzag.zigzag and zigzag.data == 2
+    contiguous = parse_parallel(dict(tensor=dict(size=2, mode='sequence', zigzag=False)))
+    assert not contiguous.with_world_size(2).zigzag

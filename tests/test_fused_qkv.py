@@ -82,18 +82,20 @@ def test_fused_qkv_1d_reduces_dx_once(tp):
 
 
 def _sequence_block(rank):
-    from colossal_lite.nn.sequence import local_block
+    from colossal_lite.nn.sequence import local_block, sequence_layout
     torch.manual_seed(0)
     block = Block()
     x = _x()
     y = block(local_block(x, gpc.axis(PM.SEQUENCE)))
     (y * y).sum().div(2).backward()
-    return y.detach(), x.grad, {k: p.grad for k, p in block.named_parameters()}
+    positions = sequence_layout().positions(x.shape[1])   # zigzag chunks by default
+    return y.detach(), x.grad, {k: p.grad for k, p in block.named_parameters()}, positions
 
 
 def test_fused_qkv_sequence_equals_serial():
-    """Sequence mode: replicated weights, each rank its block of tokens; the blocks'
-    outputs concatenate to the serial output and their gradients sum to the serial ones."""
+    """Sequence mode: replicated weights, each rank its (zigzag) part of the tokens; the
+    parts' outputs, each at its positions, are the serial output and their gradients sum
+    to the serial ones."""
     torch.manual_seed(0)
     block, x = Block(fused=False), _x()
     y = block(x)
@@ -101,7 +103,10 @@ def test_fused_qkv_sequence_equals_serial():
     config = dict(parallel=dict(tensor=dict(size=2, mode='sequence')))
     results = run_distributed(_sequence_block, 2, config, timeout=300)
     grads = {k: sum(r[2][k] for r in results) for k, _ in block.named_parameters()}
-    assert_close_dict({'output': torch.cat([r[0] for r in results], 1),
+    output = torch.empty_like(y)
+    for r in results:
+        output[:, r[3]] = r[0]        # each rank's tokens at their serial positions
+    assert_close_dict({'output': output,
                        'input_grad': sum(r[1] for r in results), **grads},
                       {'output': y.detach(), 'input_grad': x.grad,
                        **{k: p.grad for k, p in block.named_parameters()}}, tol=1e-6)

@@ -32,7 +32,7 @@ LAYOUTS = {
     '2.5d_d1': (4, dict(tensor=dict(size=4, mode='2.5d', depth=1))),
     '2.5d_d2': (8, dict(tensor=dict(size=8, mode='2.5d', depth=2))),
     '3d': (8, dict(tensor=dict(size=8, mode='3d'))),
-    'dp2_seq2': (4, dict(tensor=dict(size=2, mode='sequence'))),
+    'dp2_seq2': (4, dict(tensor=dict(size=2, mode='sequence', zigzag=False))),  # ViT: 10 tokens
 }
 
 

@@ -6,7 +6,8 @@ parallelism, '1d', '2d', '2.5d', '3d', 'sequence') without touching a process:
 * its tensor sub-axes (how the tensor axis of the rank grid unfolds) and the
   process groups it needs, each named by the sub-axes that vary inside it;
 * which sizes must divide what: how it splits a replica's batch, the attention
-  heads (hidden dimension), the vocabulary and the sequence;
+  heads (hidden dimension), the vocabulary and the sequence, and which of those splits
+  it replicates instead where the size is smaller (``replicates``: 1D's kv heads);
 * the module holding its layers (imported on first use by ``nn/registry.py``);
 * the communication bytes of its layers as formulas (``formulas``).
 
@@ -38,6 +39,7 @@ class TensorFamily:
     hidden_split: Sizes = lambda layout: 1
     vocab_split: Sizes = lambda layout: 1
     sequence_split: Sizes = lambda layout: 1
+    replicates: Tuple[str, ...] = ()   # splits whose too-few items it replicates per group
     description: str = ''
 
     @property
@@ -63,7 +65,7 @@ FAMILIES: Dict[Optional[str], TensorFamily] = {f.mode: f for f in (
     TensorFamily('1d', 'colossal_lite.nn.parallel_1d', _SERIAL_AXES,
                  groups={PM.PARALLEL_1D: ('t',)}, roles={'t': PM.PARALLEL_1D},
                  head_split=lambda l: l.tensor, hidden_split=lambda l: l.tensor,
-                 vocab_split=lambda l: l.tensor,
+                 vocab_split=lambda l: l.tensor, replicates=('head',),
                  description='1D (Megatron): weights split by rows or columns over t ranks'),
     TensorFamily('2d', 'colossal_lite.nn.parallel_2d',
                  lambda l: (('row', _grid(l)), ('col', _grid(l))),
@@ -96,7 +98,8 @@ FAMILIES: Dict[Optional[str], TensorFamily] = {f.mode: f for f in (
     TensorFamily('sequence', 'colossal_lite.nn.sequence', _SERIAL_AXES,
                  groups={PM.SEQUENCE: ('t',), PM.SEQUENCE_DP: ('data', 't')},
                  roles={'t': PM.SEQUENCE, 'dp': PM.SEQUENCE_DP},
-                 sequence_split=lambda l: l.tensor,
+                 sequence_split=lambda l: l.tensor * (2 if l.zigzag
+                                                      and l.tensor > 1 else 1),
                  description='sequence parallelism: ring self-attention over t sub-sequences'),
 )}
 

@@ -1,7 +1,9 @@
 """Sequence parallelism: the model is replicated, the sequence is split over SEQUENCE (P ranks).
 
-Standard layout: an activation ``[b, s, h]`` lives on rank r as its contiguous
-sub-sequence ``[b, s/P, h]`` (positions ``r*s/P .. (r+1)*s/P - 1``). Every weight is
+Standard layout: an activation ``[b, s, h]`` lives on rank r as its part ``[b, s/P, h]``
+of the sequence, the positions :class:`~.layout.SequenceLayout` gives it (zigzag, the
+default: chunks r and 2P-1-r of 2P equal chunks; ``parallel.tensor.zigzag=False``: the
+contiguous block ``r*s/P .. (r+1)*s/P - 1``). Every weight is
 replicated (full shape, serial keys, no ShardSpec entry). Per-token layers
 (Linear, LayerNorm, MLP, Dropout) are the 1D layers over a one-rank group, acting
 on the local sub-sequence; only attention (ring self-attention, ``ring.py``),
@@ -22,39 +24,31 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ...context import ParallelMode, ProcessGroupAxis, current_context, seed
+from ...context import ParallelMode, ProcessGroupAxis, seed
 from ...tensor import placement_of, tag
 from ..parallel_1d import (AttentionCore1D, Classifier1D, Dropout1D, Embedding1D,
                            PatchEmbedding1D, VocabParallelClassifier1D, linear_1d)
 from ..functional import check_ids
+from .layout import LayoutLike, SequenceLayout, as_layout, sequence_axis, sequence_layout
 from .ring import ring_attention
 
 SERIAL_1D = ProcessGroupAxis.serial(ParallelMode.PARALLEL_1D)
 
 
-def sequence_axis() -> ProcessGroupAxis:
-    """SEQUENCE when the current context's mode is 'sequence', else a one-rank stand-in."""
-    ctx = current_context()
-    if ctx.tensor_mode == 'sequence':
-        return ctx.axis(ParallelMode.SEQUENCE)
-    return ProcessGroupAxis.serial(ParallelMode.SEQUENCE)
+def check_sequence_length(length: int, layout: LayoutLike = None,
+                          what: str = 'sequence length'):
+    """``length`` splits over the layout (``SequenceLayout.check``): divisible by P, or by
+    2P under zigzag; a ValueError naming the numbers (and ``tensor.zigzag=False``) else."""
+    as_layout(layout).check(length, what)
 
 
-def check_sequence_length(length: int, axis: ProcessGroupAxis, what: str = 'sequence length'):
-    if length % axis.size:
-        raise ValueError(f'sequence parallelism needs the {what} divisible by the SEQUENCE group '
-                         f'size P={axis.size}, got {length}')
-
-
-def local_block(x: torch.Tensor, axis: ProcessGroupAxis, dim: int = 1,
+def local_block(x: torch.Tensor, layout: LayoutLike = None, dim: int = 1,
                 what: str = 'sequence length') -> torch.Tensor:
-    """This rank's contiguous block of ``dim`` (a view; no communication either way:
-    the positions of other ranks get zero gradient here and are completed by the
-    SEQUENCE_DP gradient sum)."""
-    length = x.shape[dim]
-    check_sequence_length(length, axis, what)
-    n = length // axis.size
-    return x.narrow(dim, axis.rank * n, n)
+    """This rank's part of ``dim`` (``SequenceLayout.local``: its contiguous block, or its two
+    zigzag chunks; no communication either way: the positions of other ranks get zero
+    gradient here and are completed by the SEQUENCE_DP gradient sum). ``layout``: a
+    SequenceLayout, a SEQUENCE axis (with the launched zigzag setting) or None (current)."""
+    return as_layout(layout).local(x, dim, what)
 
 
 def tag_sequence_split(t: torch.Tensor, axis: ProcessGroupAxis) -> torch.Tensor:
@@ -82,8 +76,9 @@ def sequence_kv_linear(in_features: int, kv_heads: int, head_dim: int, num_heads
 
 
 def sequence_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """Positions of this rank's tokens: its block of the last (sequence) dim."""
-    return local_block(position_ids, sequence_axis(), dim=position_ids.dim() - 1)
+    """Positions of this rank's tokens (``[s]`` or ``[b, s]`` ids -> ``[s/P]`` or
+    ``[b, s/P]``): its part of the last (sequence) dim, in the order of its activations."""
+    return sequence_layout().local(position_ids, dim=position_ids.dim() - 1)
 
 
 class SequenceEmbedding(Embedding1D):
@@ -91,17 +86,19 @@ class SequenceEmbedding(Embedding1D):
 
     Weight [V, h] replicated (the vocabulary is not split in sequence mode, so this
     also serves VocabParallelEmbedding). The ids are cut to this rank's block
-    before the lookup, so position ids keep their global values. No communication.
+    before the lookup (its ``SequenceLayout`` part), so position ids keep their global
+    values. No communication.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
                  axis: Optional[ProcessGroupAxis] = None, **kwargs):
         super().__init__(num_embeddings, embedding_dim, padding_idx, axis=SERIAL_1D, **kwargs)
-        self.seq_axis = axis or sequence_axis()
+        self.seq_layout = SequenceLayout.of(axis)
+        self.seq_axis = self.seq_layout.axis
 
     def forward(self, ids):
         check_ids(ids, self.num_embeddings, 'Embedding')  # full ids: every rank raises together
-        return super().forward(local_block(ids, self.seq_axis))
+        return super().forward(self.seq_layout.local(ids))
 
 
 class _TagsSequence:
@@ -155,39 +152,44 @@ class SequencePatchEmbedding(PatchEmbedding1D):
     """Images ``[b, C, H, W]`` (full, replicated) -> tokens ``[b, (1 + patches)/P, h]``.
 
     Conv weights, class token and positions replicated; every rank embeds the whole
-    image and keeps its block of tokens (the gradient of the other blocks is
-    completed by the SEQUENCE_DP sum). No communication.
+    image and keeps its part of the tokens (the gradient of the other parts is
+    completed by the SEQUENCE_DP sum). No communication. Under zigzag the 1 + k^2
+    tokens never divide by 2P (>= 4): ViT needs ``parallel.tensor.zigzag=False``.
     """
+
+    TOKENS = 'number of tokens (1 class token + patches)'
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int,
                  axis: Optional[ProcessGroupAxis] = None, **kwargs):
         super().__init__(img_size, patch_size, in_chans, embed_size, **kwargs)
-        self.seq_axis = axis or sequence_axis()
-        check_sequence_length(1 + self.num_patches, self.seq_axis,
-                              'number of tokens (1 class token + patches)')
+        self.seq_layout = SequenceLayout.of(axis)
+        self.seq_axis = self.seq_layout.axis
+        self.seq_layout.check(1 + self.num_patches, self.TOKENS)
 
     def forward(self, images):
-        return local_block(super().forward(images), self.seq_axis, 1,
-                           'number of tokens (1 class token + patches)')
+        return self.seq_layout.local(super().forward(images), 1, self.TOKENS)
 
 
 class RingAttentionCore(AttentionCore1D):
-    """softmax(QK^T/sqrt(d) + mask)V with q, k, v ``[b, s/P, n*d]`` (all heads, own block).
+    """softmax(QK^T/sqrt(d) + mask)V with q ``[b, s/P, n*d]`` and k, v ``[b, s/P, n_kv*d]``
+    (all heads of this rank's tokens; grouped-query attention when n_kv < n).
 
-    Ring self-attention (``ring.py``): forward 2(P-1) ring exchanges (k, v blocks of
-    ``[b*n, s/P, d]``), backward 4(P-1). ``key_padding_mask`` is the user's full
-    ``[b, s]`` mask; causal masking compares global positions across ring blocks.
-    Local scores/probabilities ``[b, n, s/P, s]``; attention dropout draws from the
-    per-rank TENSOR stream.
+    Ring attention with online softmax (``ring.py``): ``[k; v]`` blocks (n_kv heads) make
+    P-1 ring exchanges forward, and P-1 plus P-1 of the fp32 ``[dk; dv]`` accumulators
+    backward. ``key_padding_mask`` is the user's full ``[b, s]`` mask; causal masking
+    compares the global positions of the chunks (``SequenceLayout``). The largest
+    temporaries are one block's ``[b, n, c, 2c]`` scores (c = s/P or s/2P); attention
+    dropout draws one seed per forward from the per-rank TENSOR stream.
     """
 
     def __init__(self, head_dim: int, causal: bool = False, dropout: float = 0.0,
                  axis: Optional[ProcessGroupAxis] = None):
         super().__init__(head_dim, causal, dropout, axis=axis or sequence_axis())
+        self.seq_layout = SequenceLayout.of(self.axis)
 
     head_split = 1  # every rank holds all heads of its sub-sequence
 
     def forward(self, q, k, v, key_padding_mask=None):
-        return ring_attention(q, k, v, self.head_dim, self.axis, causal=self.causal,
+        return ring_attention(q, k, v, self.head_dim, self.seq_layout, causal=self.causal,
                               key_padding_mask=key_padding_mask,
                               dropout_p=self.dropout if self.training else 0.0, rng=self.rng)

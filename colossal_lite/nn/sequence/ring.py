@@ -1,184 +1,326 @@
-"""Ring self-attention: Q K^T and softmax(Q K^T) V while key/value blocks travel the ring.
+"""Ring attention: blockwise (online) softmax while key/value blocks travel the ring.
 
-The sequence of length ``s`` is split into P contiguous blocks over the SEQUENCE
-group; rank r holds rows ``[r*s/P, (r+1)*s/P)`` of q, k and v (``[B, s/P, d]`` with
-``B = batch * heads``). Every transfer is a :func:`ring_exchange` (send to r+1,
-receive from r-1), so at step t rank r holds the block owned by ``(r - t) mod P``.
+Sharding. The SEQUENCE group has P ranks; :class:`~.layout.SequenceLayout` says which
+chunks of the sequence each holds (contiguous: chunk r; zigzag: chunks r and 2P-1-r).
+Rank r holds ``q [b, s/P, n*d]`` and ``k, v [b, s/P, n_kv*d]`` of its own tokens (all
+heads; grouped-query attention when ``n_kv < n``: query head i reads kv head
+``i // (n/n_kv)``); the output ``[b, s/P, n*d]`` has q's layout. Every transfer is a
+:func:`ring_exchange` (send to r+1, receive from r-1), so after t exchanges rank r holds
+the block of owner ``j = (r - t) mod P``.
 
-Two autograd functions, each with ring forward and ring backward:
+Forward (``_RingAttention.forward``): the own ``kv = [k; v]`` block (``[2, b, n_kv, s/P,
+d]``, only the n_kv heads) goes round the ring, P-1 exchanges, the next one requested
+(async) before the current one is used. For every local query chunk ``a`` and the key
+chunks of owner j it may see, the scores ``S = q_a k^T / sqrt(d)`` (``[b, n, c, <= 2c]``,
+c the chunk length) update a running row max ``m``, row sum ``l`` and output
+``acc`` (flash attention's online softmax)::
 
-* :class:`RingQK`: ``scores[:, :, block j] = q_r @ k_j^T`` -> ``[B, s/P, s]``
-  (key blocks travel: P-1 exchanges). Backward: ``dq_r = sum_j g_j @ k_j`` (key
-  blocks travel again: P-1 exchanges) and ``dk_j = sum_r g_j^T @ q_r`` (an
-  accumulator per key block travels the ring, each rank adding its term, and
-  arrives at block j's owner after P-1 exchanges).
-* :class:`RingAV`: ``out_r = sum_j probs[:, :, block j] @ v_j`` (value blocks
-  travel). Backward: ``dprobs_j = g_r @ v_j^T`` (values travel again) and
-  ``dv_j = sum_r probs_j^T @ g_r`` (travelling accumulator).
+    m' = max(m, rowmax S);  l = l e^(m-m') + rowsum e^(S-m');  acc = acc e^(m-m') + (e^(S-m') o D) v
 
-The full sequence is never gathered: a rank holds at most one foreign block of
-``[B, s/P, d]`` at a time. With ``causal=True`` the blocks ``j > r`` (all keys in
-the future of every local query) are neither computed nor accumulated; they
-still travel so every rank issues the same exchanges.
+(``D``: the dropout keep-mask / (1-p), 1 without dropout). At the end ``out = acc / l``
+and ``lse = m + log l``. Saved for backward: q, k, v, out (``[b, s/P, .]``), lse
+(``[b, n, s/P]`` fp32) and the key padding mask as ``[b, C, c]`` booleans.
+
+Backward recomputes each block's probabilities from lse (``P = exp(S - lse)``) with
+``Drow = rowsum(dO o out)``::
+
+    dV_j += (P o D)^T dO     dP = (dO V_j^T) o D     dS = P o (dP - Drow)
+    dq   += dS K_j / sqrt(d)                          dK_j += dS^T q / sqrt(d)
+
+kv travels again (P-1 exchanges); dq accumulates locally; the fp32 accumulator
+``[dk; dv]`` of block j is started by rank j+1 (the owner keeps its own term), passes
+j+2, ..., j-1 and arrives at j: P-1 exchanges. Bytes per rank (``e`` the element size of
+k and v)::
+
+    forward   (P-1) * 2 b (s/P) n_kv d e
+    backward  (P-1) * 2 b (s/P) n_kv d (e + 4)        = 6 (P-1) b (s/P) n_kv d * 4 in fp32
+
+No ``[s/P, s]`` tensor exists: the largest temporaries are one block's scores and
+probabilities, ``[b, n, c, 2c]``. Under a causal mask a chunk pair whose keys are all in
+the future of its queries is skipped (not computed); its block still travels, so every
+rank issues the same exchanges. Attention dropout draws one seed per forward from ``rng()``
+(the per-rank stream) and the keep-mask of chunk pair (a, b) from a generator seeded with
+``seed + a*C + b``, so backward regenerates exactly the forward's masks.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from ...communication import ring_exchange
-from ...context import ProcessGroupAxis
+from ..functional import local_heads, matmul_dtype
+from .layout import LayoutLike, SequenceLayout, as_layout
+
+_RECORD: contextvars.ContextVar = contextvars.ContextVar('ring_blocks', default=None)
 
 
-def _needed(j: int, axis: ProcessGroupAxis, causal: bool) -> bool:
-    return not causal or j <= axis.rank
+@contextlib.contextmanager
+def record_blocks() -> Iterator[List[Tuple[str, int, int]]]:
+    """Inside, every chunk pair the ring computes is appended to the yielded list as
+    ``('forward' | 'backward', query chunk, key chunk)`` (global chunk indices)."""
+    blocks: List[Tuple[str, int, int]] = []
+    token = _RECORD.set(blocks)
+    try:
+        yield blocks
+    finally:
+        _RECORD.reset(token)
 
 
-def travel(block: torch.Tensor, axis: ProcessGroupAxis, causal: bool,
-           visit: Callable[[int, torch.Tensor], None]):
-    """Call ``visit(j, block_j)`` for every owner j while ``block`` goes round the ring.
+@dataclass(frozen=True)
+class _Block:
+    """Query chunk ``qi`` (local index) against rows ``[lo, hi)`` of a travelling key block
+    (key chunks ``keys``, global indices); ``diagonal`` when causal masking is needed."""
 
-    The next block is requested (async) before the current one is used, so the
-    transfer overlaps the computation. P-1 exchanges of ``block``'s size.
-    """
-    p = axis.size
-    for t in range(p):
-        pending = ring_exchange(block, axis, async_op=True) if t < p - 1 else None
-        j = (axis.rank - t) % p
-        if _needed(j, axis, causal):
-            visit(j, block)
+    qi: int
+    query: int
+    lo: int
+    hi: int
+    keys: Tuple[int, ...]
+    diagonal: bool
+
+
+def plan(layout: SequenceLayout, owner: int, causal: bool) -> List[_Block]:
+    """What this rank computes against the key block of ``owner``: for each local query
+    chunk a, the owner's key chunks b that a may see (all; or ``b <= a`` when causal) --
+    always contiguous rows of the owner's block. Pairs with ``b > a`` are skipped."""
+    theirs, out = layout.chunks_of(owner), []
+    for qi, a in enumerate(layout.chunks_of()):
+        need = [bi for bi, b in enumerate(theirs) if not causal or b <= a]
+        if need:
+            keys = tuple(theirs[bi] for bi in need)
+            out.append(_Block(qi, a, need[0], need[-1] + 1, keys, causal and a in keys))
+    return out
+
+
+def chunk_pairs(layout: SequenceLayout, causal: bool) -> List[Tuple[int, int]]:
+    """Every (query chunk, key chunk) pair this rank computes in one forward."""
+    return [(blk.query, b) for j in range(layout.size) for blk in plan(layout, j, causal)
+            for b in blk.keys]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    layout: SequenceLayout
+    head_dim: int
+    heads: int
+    kv_heads: int
+    causal: bool
+    dropout_p: float
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+class _Local:
+    """Per-call shapes and the helpers that move between ``[b, s/P, .]`` and head layouts."""
+
+    def __init__(self, spec: _Spec, q: torch.Tensor, mask: Optional[torch.Tensor], seed: int):
+        self.spec = spec
+        self.b, self.s_l = q.shape[0], q.shape[1]
+        self.n_chunks = spec.layout.num_chunks
+        self.c = self.s_l // len(spec.layout.chunks_of())
+        self.mask, self.seed, self.device = mask, seed, q.device
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        # statistics and accumulators: fp32 (fp64 for fp64 inputs)
+        self.acc = torch.promote_types(q.dtype, torch.float32)
+
+    def zeros(self, shape) -> torch.Tensor:
+        return torch.zeros(shape, device=self.device, dtype=self.acc)
+
+    def query_chunks(self, t: torch.Tensor, dtype) -> List[torch.Tensor]:
+        """``[b, s/P, n*d]`` -> per local chunk ``[b, n_kv, g*c, d]`` (query head order)."""
+        sp = self.spec
+        t5 = t.to(dtype).view(self.b, self.s_l, sp.kv_heads, sp.group, sp.head_dim)
+        t5 = t5.permute(0, 2, 3, 1, 4)
+        return [t5[:, :, :, i * self.c:(i + 1) * self.c].reshape(
+            self.b, sp.kv_heads, sp.group * self.c, sp.head_dim)
+            for i in range(len(sp.layout.chunks_of()))]
+
+    def from_query_chunks(self, chunks: List[torch.Tensor], dtype) -> torch.Tensor:
+        """Inverse of :meth:`query_chunks`: ``[b, s/P, n*d]``."""
+        sp = self.spec
+        parts = [x.view(self.b, sp.kv_heads, sp.group, self.c, sp.head_dim) for x in chunks]
+        out = torch.cat(parts, dim=3) if len(parts) > 1 else parts[0]
+        return out.permute(0, 3, 1, 2, 4).reshape(self.b, self.s_l, sp.heads * sp.head_dim) \
+            .to(dtype)
+
+    def kv_heads(self, t: torch.Tensor, dtype) -> torch.Tensor:
+        """``[b, s/P, n_kv*d]`` -> ``[b, n_kv, s/P, d]``."""
+        sp = self.spec
+        return t.to(dtype).view(self.b, self.s_l, sp.kv_heads, sp.head_dim).permute(0, 2, 1, 3)
+
+    def from_kv_heads(self, t: torch.Tensor, dtype) -> torch.Tensor:
+        return t.permute(0, 2, 1, 3).reshape(self.b, self.s_l, -1).to(dtype)
+
+    def scores(self, blk: _Block, q_a: torch.Tensor, k: torch.Tensor, phase: str) -> torch.Tensor:
+        """Masked fp32 scores ``[b, n_kv, g*c, w]`` of query chunk ``q_a`` (pre-scaled) against
+        rows ``[lo*c, hi*c)`` of the travelling key block ``k [b, n_kv, s/P, d]``."""
+        record = _RECORD.get()
+        if record is not None:
+            record.extend((phase, blk.query, b) for b in blk.keys)
+        c, sp = self.c, self.spec
+        keys = k[:, :, blk.lo * c:blk.hi * c]
+        s = torch.matmul(q_a, keys.transpose(-1, -2)).to(self.acc)
+        shape5 = (self.b, sp.kv_heads, sp.group, c, keys.shape[2])
+        allowed = None
+        if blk.diagonal:
+            qpos = blk.query * c + torch.arange(c, device=self.device)
+            kpos = torch.cat([torch.arange(b * c, (b + 1) * c, device=self.device)
+                              for b in blk.keys])
+            allowed = kpos.view(1, -1) <= qpos.view(-1, 1)                     # [c, w]
+        if self.mask is not None:
+            pad = self.mask[:, list(blk.keys)].reshape(self.b, 1, 1, 1, -1)    # [b,1,1,1,w]
+            allowed = pad if allowed is None else pad & allowed
+        if allowed is not None:
+            s = s.view(shape5).masked_fill(~allowed, float('-inf')).view(s.shape)
+        return s
+
+    def keep(self, blk: _Block, shape) -> Optional[torch.Tensor]:
+        """The dropout multiplier (keep-mask / (1-p)) of block ``blk``: the same tensor in
+        forward and backward (one generator seed per chunk pair)."""
+        p = self.spec.dropout_p
+        if p <= 0:
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.seed + blk.query * self.n_chunks + blk.keys[0])
+        draw = torch.rand(shape, generator=gen, device=self.device)
+        return (draw >= p).to(self.acc).div_(1.0 - p)
+
+
+def _ring_forward(loc: _Local, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype):
+    """(out ``[b, s/P, n*d]``, lse ``[b, n, s/P]`` fp32); P-1 exchanges of ``[k; v]``."""
+    sp, axis = loc.spec, loc.spec.layout.axis
+    qs = [x * loc.scale for x in loc.query_chunks(q, dtype)]
+    rows = qs[0].shape[:3] + (1,)
+    m = [torch.full(rows, float('-inf'), device=q.device, dtype=loc.acc) for _ in qs]
+    lsum = [loc.zeros(rows) for _ in qs]
+    acc = [loc.zeros(x.shape) for x in qs]
+    kv = torch.stack([loc.kv_heads(k, dtype), loc.kv_heads(v, dtype)])
+    for t in range(axis.size):
+        pending = ring_exchange(kv, axis, async_op=True) if t < axis.size - 1 else None
+        for blk in plan(sp.layout, (axis.rank - t) % axis.size, sp.causal):
+            a = blk.qi
+            s = loc.scores(blk, qs[a], kv[0], 'forward')
+            m_new = torch.maximum(m[a], s.amax(-1, keepdim=True))
+            m_safe = m_new.masked_fill(m_new == float('-inf'), 0.0)
+            p = torch.exp(s - m_safe)
+            corr = torch.exp(m[a] - m_safe)
+            lsum[a] = lsum[a] * corr + p.sum(-1, keepdim=True)
+            keep = loc.keep(blk, p.shape)
+            pv = p if keep is None else p * keep
+            values = kv[1][:, :, blk.lo * loc.c:blk.hi * loc.c]
+            acc[a] = acc[a] * corr + torch.matmul(pv.to(dtype), values).to(loc.acc)
+            m[a] = m_new
         if pending is not None:
-            block = pending.wait()
+            kv = pending.wait()
+    empty = [x == 0 for x in lsum]      # a query with no key to attend to gets zeros
+    outs = [(x / l.masked_fill(e, 1.0)).masked_fill(e, 0.0) for x, l, e in zip(acc, lsum, empty)]
+    lses = [(mx + l.log()).masked_fill(e, float('inf')) for mx, l, e in zip(m, lsum, empty)]
+    out = loc.from_query_chunks(outs, q.dtype)
+    lse = torch.cat([x.view(loc.b, sp.heads, loc.c) for x in lses], dim=-1)
+    return out, lse
 
 
-def accumulate(like: torch.Tensor, axis: ProcessGroupAxis, causal: bool,
-               term: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """On rank r, ``sum over all ranks r' of term_{r'}(r)``, summed by travelling accumulators.
-
-    At step t rank r adds its term for block ``(r - 1 - t) mod P`` to the accumulator
-    it holds and passes it on; after P-1 exchanges each accumulator sits at its owner.
-    The next term is computed while the previous exchange is in flight.
-    """
-    p = axis.size
-    acc, pending = torch.zeros_like(like), None
-    for t in range(p):
-        j = (axis.rank - 1 - t) % p
-        contribution = term(j) if _needed(j, axis, causal) else None
+def _ring_backward(loc: _Local, q, k, v, out, lse, grad, dtype):
+    """(dq, dk, dv) in the inputs' layouts; P-1 exchanges of ``[k; v]`` and of ``[dk; dv]``."""
+    sp, axis = loc.spec, loc.spec.layout.axis
+    qs = [x * loc.scale for x in loc.query_chunks(q, dtype)]
+    dos = loc.query_chunks(grad, dtype)
+    os_ = loc.query_chunks(out, dtype)
+    drow = [(d.to(loc.acc) * o.to(loc.acc)).sum(-1, keepdim=True) for d, o in zip(dos, os_)]
+    lse5 = lse.view(loc.b, sp.heads, len(qs), loc.c)
+    lses = [lse5[:, :, i].reshape(loc.b, sp.kv_heads, sp.group * loc.c, 1) for i in range(len(qs))]
+    dq = [loc.zeros(x.shape) for x in qs]
+    kv = torch.stack([loc.kv_heads(k, dtype), loc.kv_heads(v, dtype)])
+    own, acc, sent = None, None, None
+    for t in range(axis.size):
+        pending = ring_exchange(kv, axis, async_op=True) if t < axis.size - 1 else None
+        term = loc.zeros(kv.shape)                                              # [dk; dv] fp32
+        for blk in plan(sp.layout, (axis.rank - t) % axis.size, sp.causal):
+            a, rows = blk.qi, slice(blk.lo * loc.c, blk.hi * loc.c)
+            s = loc.scores(blk, qs[a], kv[0], 'backward')
+            p = torch.exp(s - lses[a])
+            keep = loc.keep(blk, p.shape)
+            pv = p if keep is None else p * keep
+            term[1][:, :, rows] += torch.matmul(pv.to(dtype).transpose(-1, -2), dos[a])
+            dp = torch.matmul(dos[a], kv[1][:, :, rows].transpose(-1, -2)).to(loc.acc)
+            if keep is not None:
+                dp = dp * keep
+            ds = (p * (dp - drow[a])).to(dtype)
+            dq[a] += torch.matmul(ds, kv[0][:, :, rows])
+            term[0][:, :, rows] += torch.matmul(ds.transpose(-1, -2), qs[a])
+        if t == 0:
+            own = term                      # the owner's term waits for the travelling sum
+        else:
+            acc = term if sent is None else sent.wait().add_(term)
+            sent = ring_exchange(acc, axis, async_op=True)   # block (r-t)'s sum goes to r+1
         if pending is not None:
-            acc = pending.wait()
-        if contribution is not None:
-            acc += contribution
-        pending = ring_exchange(acc, axis, async_op=True) if t < p - 1 else None
-    return acc
+            kv = pending.wait()
+    dkv = own if sent is None else sent.wait().add_(own)
+    dq = loc.from_query_chunks([x * loc.scale for x in dq], q.dtype)
+    return dq, loc.from_kv_heads(dkv[0], k.dtype), loc.from_kv_heads(dkv[1], v.dtype)
 
 
-def _cols(t: torch.Tensor, j: int, width: int) -> torch.Tensor:
-    return t[..., j * width:(j + 1) * width]
-
-
-class RingQK(torch.autograd.Function):
-    """``q [B, s/P, d]``, ``k [B, s/P, d]`` -> ``scores [B, s/P, s] = q @ K_full^T``."""
+class _RingAttention(torch.autograd.Function):
+    """q ``[b, s/P, n*d]``, k, v ``[b, s/P, n_kv*d]`` -> out ``[b, s/P, n*d]`` (module doc)."""
 
     @staticmethod
-    def forward(ctx, q, k, axis, causal):
-        ctx.save_for_backward(q, k)
-        ctx.axis, ctx.causal = axis, causal
-        s_l = q.shape[1]
-        scores = q.new_zeros(q.shape[0], s_l, s_l * axis.size)
-        travel(k, axis, causal,
-               lambda j, k_j: _cols(scores, j, s_l).copy_(torch.bmm(q, k_j.transpose(1, 2))))
-        return scores
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k = ctx.saved_tensors
-        axis, causal, s_l = ctx.axis, ctx.causal, q.shape[1]
-        grad = grad.contiguous()
-        dq = torch.zeros_like(q)
-        travel(k, axis, causal, lambda j, k_j: dq.baddbmm_(_cols(grad, j, s_l), k_j))
-        dk = accumulate(k, axis, causal,
-                        lambda j: torch.bmm(_cols(grad, j, s_l).transpose(1, 2), q))
-        return dq, dk, None, None
-
-
-class RingAV(torch.autograd.Function):
-    """``probs [B, s/P, s]``, ``v [B, s/P, d]`` -> ``out [B, s/P, d] = probs @ V_full``."""
-
-    @staticmethod
-    def forward(ctx, probs, v, axis, causal):
-        ctx.save_for_backward(probs, v)
-        ctx.axis, ctx.causal = axis, causal
-        s_l = v.shape[1]
-        out = torch.zeros_like(v)
-        travel(v, axis, causal, lambda j, v_j: out.baddbmm_(_cols(probs, j, s_l), v_j))
+    def forward(ctx, q, k, v, spec: _Spec, mask: Optional[torch.Tensor], seed: int):
+        dtype = matmul_dtype(q, k, v)
+        loc = _Local(spec, q, mask, seed)
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = _ring_forward(loc, q, k, v, dtype)
+        ctx.loc, ctx.dtype = loc, dtype
+        loc.mask = None  # saved below, so autograd tracks it
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        probs, v = ctx.saved_tensors
-        axis, causal, s_l = ctx.axis, ctx.causal, v.shape[1]
-        grad = grad.contiguous()
-        dprobs = torch.zeros_like(probs)
-        travel(v, axis, causal,
-               lambda j, v_j: _cols(dprobs, j, s_l).copy_(torch.bmm(grad, v_j.transpose(1, 2))))
-        dv = accumulate(v, axis, causal,
-                        lambda j: torch.bmm(_cols(probs, j, s_l).transpose(1, 2), grad))
-        return dprobs, dv, None, None
-
-
-def attend_mask(batch: int, s_local: int, axis: ProcessGroupAxis, causal: bool,
-                key_padding_mask: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
-    """Boolean ``[b|1, 1, s/P, s]`` mask (True = attend) of local queries against all keys.
-
-    Column block j of the scores is key block j, so the user's full ``[b, s]`` key
-    padding mask lines up with the columns as it is; the causal mask compares
-    global positions: query ``r*s/P + i`` sees keys ``<= r*s/P + i``.
-    """
-    s = s_local * axis.size
-    mask = None
-    if key_padding_mask is not None:
-        if tuple(key_padding_mask.shape) != (batch, s):
-            raise ValueError(f'key_padding_mask must be the full [batch, seq] = [{batch}, {s}] '
-                             f'mask, got shape {tuple(key_padding_mask.shape)}')
-        mask = key_padding_mask.to(device=device, dtype=torch.bool).view(batch, 1, 1, s)
-    if causal:
-        rows = torch.arange(s_local, device=device) + axis.rank * s_local
-        tri = torch.arange(s, device=device).view(1, s) <= rows.view(s_local, 1)
-        mask = tri if mask is None else mask & tri
-    return mask
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        loc = ctx.loc
+        loc.mask = mask
+        dq, dk, dv = _ring_backward(loc, q, k, v, out, lse, grad.contiguous(), ctx.dtype)
+        loc.mask = None
+        return dq, dk, dv, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
-                   axis: ProcessGroupAxis, causal: bool = False,
+                   layout: LayoutLike = None, causal: bool = False,
                    key_padding_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                    rng: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-    """softmax(Q K^T / sqrt(d) + mask) V for local sub-sequences ``[b, s/P, n*d]``.
+    """softmax(Q K^T / sqrt(d) + mask) V of local ``q [b, s/P, n*d]`` against the whole
+    sequence's keys; k, v ``[b, s/P, n_kv*d]`` (grouped-query attention when n_kv < n).
 
-    ``key_padding_mask``: the user's full ``[b, s]`` mask (1 = attend). Attention
-    dropout draws from ``rng()`` (the per-rank stream: rows differ across ranks).
+    ``layout``: a :class:`SequenceLayout`, or a SEQUENCE axis (the launched zigzag setting)
+    or None (the current context's). ``key_padding_mask``: the user's full ``[b, s]`` mask
+    (1 = attend; a query with no key gets zeros). Attention dropout draws its seed from
+    ``rng()`` (the per-rank stream). Communication: module doc.
     """
-    b, s_l, width = q.shape
-    if width % head_dim:
-        raise ValueError(f'attention width {width} is not a multiple of head_dim {head_dim}')
-    heads = width // head_dim
-
-    def to_heads(t):
-        return t.view(b, s_l, heads, head_dim).transpose(1, 2).reshape(b * heads, s_l, head_dim)
-
-    scores = RingQK.apply(to_heads(q), to_heads(k), axis, causal)
-    scores = (scores * (1.0 / math.sqrt(head_dim))).view(b, heads, s_l, s_l * axis.size)
-    mask = attend_mask(b, s_l, axis, causal, key_padding_mask, q.device)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float('-inf'))
-    probs = torch.softmax(scores, dim=-1)
-    if mask is not None:  # a query with no key to attend to gets zeros, as in the serial SDPA
-        probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+    layout = as_layout(layout)
+    b, s_l = q.shape[0], q.shape[1]
+    heads, kv_heads = local_heads(q, k, head_dim)
+    if tuple(k.shape[:2]) != (b, s_l) or k.shape != v.shape:
+        raise ValueError(f'ring attention needs k and v of one shape [b, s/P, n_kv*d] with q '
+                         f'{tuple(q.shape)}, got k {tuple(k.shape)}, v {tuple(v.shape)}')
+    s = s_l * layout.size
+    c = layout.check(s)
+    mask = None
+    if key_padding_mask is not None:
+        if tuple(key_padding_mask.shape) != (b, s):
+            raise ValueError(f'key_padding_mask must be the full [batch, seq] = [{b}, {s}] '
+                             f'mask, got shape {tuple(key_padding_mask.shape)}')
+        mask = key_padding_mask.to(device=q.device, dtype=torch.bool).reshape(
+            b, layout.num_chunks, c)
+    seed = 0
     if dropout_p > 0:
         with rng():
-            probs = F.dropout(probs, dropout_p, True)
-    out = RingAV.apply(probs.view(b * heads, s_l, -1), to_heads(v), axis, causal)
-    return out.view(b, heads, s_l, head_dim).transpose(1, 2).reshape(b, s_l, width)
+            seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+    spec = _Spec(layout, head_dim, heads, kv_heads, causal, float(dropout_p))
+    return _RingAttention.apply(q, k, v, spec, mask, seed)
