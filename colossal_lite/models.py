@@ -43,13 +43,17 @@ INPUTS = ('tokens', 'images')   # ModelTraits.inputs
 class SizeRule:
     """The config key ``key`` holds (or determines) ``value``, which must be divisible by
     ``by``: an int (``by_key`` names where it comes from) or a split of the layout's tensor
-    family, one of :data:`SPLITS` (``families.family(mode).<by>_split(layout)``)."""
+    family, one of :data:`SPLITS` (``families.family(mode).<by>_split(layout)``).
+    ``or_divides``: where the family replicates what that split cannot cut
+    (``TensorFamily.replicates``, e.g. 1D's grouped-query kv heads), ``value`` dividing the
+    split is accepted too."""
 
     key: str
     value: int
     by: Union[int, str]
     by_key: str = ''
     what: str = ''
+    or_divides: bool = False
 
     def __post_init__(self):
         if isinstance(self.by, str) and self.by not in SPLITS:
@@ -73,7 +77,10 @@ class PlannerShape:
     (image / patch)^2 tokens, which fix the sequence); ``pair_head`` a flag option adding a
     pooled two-way classifier on the first token (a pooler linear, then 2 outputs: a
     next-sentence head). ``blocks`` is the attribute holding the built blocks (the
-    ``StagedModel.build_blocks`` ModuleDict, keyed by serial index)."""
+    ``StagedModel.build_blocks`` ModuleDict, keyed by serial index). ``tie_head`` a flag
+    option tying the head to the token embedding (None: ``ModelTraits.tied_head`` says);
+    ``qkv_bias`` a flag option giving the q/k/v projections biases (None:
+    ``ModelTraits.linear_bias`` says)."""
 
     layers: str = 'layers'
     hidden: str = 'hidden'
@@ -91,6 +98,8 @@ class PlannerShape:
     channels: Optional[str] = None
     pair_head: Optional[str] = None
     blocks: str = 'blocks'
+    tie_head: Optional[str] = None
+    qkv_bias: Optional[str] = None
 
     def __post_init__(self):
         image = (self.image, self.patch, self.channels)
@@ -112,7 +121,7 @@ class ModelTraits:
     untied, bias-free head on every token).
 
     ``inputs``: 'tokens' or 'images' (what the planner's job feeds it); ``causal``: causal
-    attention (ring attention keeps 2s - 1 score statistics per head instead of s);
+    attention (a causal mask; the planner's formulas do not depend on it);
     ``causal_mask``: each block's attention builds an s x s mask and saves it for backward;
     ``final_norm``: a LayerNorm between the last block and the head (pre-LN);
     ``embedding_norm``: a LayerNorm after the embeddings (post-LN); ``head_transform``: a
@@ -120,7 +129,10 @@ class ModelTraits:
     head runs on every token (a language model) or on one (a classifier on the class
     token); ``head_bias``: the head has a bias; ``tied_head``: the head's weight is the
     token embedding's (a pipelined model's last stage holds a copy); ``gated_mlp``: the MLP
-    has two input projections (SwiGLU)."""
+    has two input projections (SwiGLU: ``down(silu(gate(x)) * up(x))``); ``rms_norm``: the
+    norms are RMSNorm (a weight, no bias, no centering); ``linear_bias``: the block's
+    linears have biases; ``rotary``: q and k are rotated by position (RoPE: no parameters;
+    its elementwise FLOPs are not counted)."""
 
     inputs: str = 'tokens'
     causal: bool = False
@@ -132,6 +144,9 @@ class ModelTraits:
     head_bias: bool = False
     tied_head: bool = False
     gated_mlp: bool = False
+    rms_norm: bool = False
+    linear_bias: bool = True
+    rotary: bool = False
 
     def __post_init__(self):
         if self.inputs not in INPUTS:

@@ -30,11 +30,13 @@ def _transformer_rules(o):
 
 
 def _llama_rules(o):
-    """Llama's sizes: the transformer's, the kv heads (split with the heads unless 1D
-    replicates them: ``col_nn.KeyValueLinear``) and the SwiGLU width."""
+    """Llama's sizes: the transformer's, the kv heads (heads divisible by them; split with
+    the heads, or dividing the split where the family replicates them, 1D:
+    ``col_nn.KeyValueLinear``) and the SwiGLU width."""
     kv = o.get('kv_heads') or o['heads']
     return _transformer_rules(o) + [
         SizeRule('model.heads', o['heads'], kv, 'model.kv_heads'),
+        SizeRule('model.kv_heads', kv, 'head', what='key/value heads', or_divides=True),
         SizeRule('model.intermediate', o.get('intermediate') or 256 * -(-(8 * o['hidden'] // 3)
                                                                        // 256),
                  'hidden', what='SwiGLU width')]
@@ -66,6 +68,9 @@ register_model('vit', ViT, VIT_PRESETS, loss=col_nn.CrossEntropyLoss, data='digi
                hf=HFAdapter(ViT.from_hf, ViT.save_hf))
 register_model('llama', Llama, LLAMA_PRESETS, loss=GPTLMLoss, data='shakespeare',
                rules=_llama_rules, label='Llama',
-               shape=PlannerShape(kv_heads='kv_heads', ffn='intermediate', mlp_ratio=None),
-               traits=ModelTraits(causal=True, causal_mask=True, gated_mlp=True),
+               shape=PlannerShape(kv_heads='kv_heads', ffn='intermediate', mlp_ratio=None,
+                                  positions=None, tie_head='tie_embeddings',
+                                  qkv_bias='qkv_bias'),
+               traits=ModelTraits(causal=True, causal_mask=True, gated_mlp=True, rms_norm=True,
+                                  linear_bias=False, rotary=True),
                hf=HFAdapter(Llama.from_hf, Llama.save_hf))

@@ -162,7 +162,7 @@ class Llama(HFConvertible, StagedTransformer):
             self.plan_stages(layers, parameter_weights(
                 embed_params, llama_block_params(hidden, heads, kv_heads, head_dim, intermediate,
                                                  qkv_bias),
-                hidden + (0 if tie_embeddings else embed_params)), options=self.arch_args)
+                hidden + embed_params), options=self.arch_args)  # tied: the last stage's copy
             if self.holds_first or (self.holds_last and tie_embeddings):
                 self.embed = col_nn.VocabParallelEmbedding(vocab_size, hidden,
                                                            weight_init=normal_init(init_std))

@@ -43,8 +43,9 @@ def _live_bytes() -> int:
     return live_tensor_bytes(scalars=False)
 
 
-def _step_memory(rank, checkpoint, opts=OPTS):
-    """(live bytes after zero_grad, the step's allocation peak above them) on this rank."""
+def _step_memory(rank, checkpoint, opts=OPTS, kind='gpt'):
+    """(live bytes after zero_grad, the step's allocation peak above them) on this rank of a
+    registered model ``kind`` (a causal LM trained on its own ids) built with ``opts``."""
     import colossal_lite as clt
     from colossal_lite.context import ParallelMode, global_context as gpc
     from colossal_lite.models import get_model
@@ -53,7 +54,7 @@ def _step_memory(rank, checkpoint, opts=OPTS):
     ids = torch.randint(0, 256, (BATCH // gpc.get_world_size(ParallelMode.DATA), 16),
                         generator=torch.Generator().manual_seed(0))
     before = _live_bytes()
-    entry = get_model('gpt')
+    entry = get_model(kind)
     model = entry.builder(**dict(opts, checkpoint=checkpoint))
     engine, *_ = clt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                 entry.loss())
@@ -105,15 +106,20 @@ CASES = [(Candidate(_l(d=4), 1), (0.995, 1.005)),
 @pytest.mark.parametrize('cand,bounds', CASES,
                          ids=[c.describe().replace(' ', '_') for c, _ in CASES])
 def test_peak_memory_terms_equal_the_allocator_record(cand, bounds):
+    check_peak_memory('gpt', OPTS_3D if cand.layout.mode == '3d' else OPTS, cand, bounds)
+
+
+def check_peak_memory(kind, opts, cand, bounds):
+    """Every rank's states equal the ``states`` term and its peak is within ``bounds`` of
+    ``max(phase A, phase B)``, each term of the winning phase larger than the band."""
     from colossal_lite.auto.planner import plan_config
     from colossal_lite.testing import run_distributed
-    opts = OPTS_3D if cand.layout.mode == '3d' else OPTS
-    shape = model_shape('gpt', None, seq=16, **opts)
+    shape = model_shape(kind, None, seq=16, **opts)
     config = {k: v for k, v in plan_config(shape, cand, BATCH).items()
               if k in ('parallel', 'num_microbatches', 'zero')}
     l = cand.layout
     measured = run_distributed(_step_memory, l.pipeline * l.tensor * l.data, config,
-                               cand.checkpoint, opts)
+                               cand.checkpoint, opts, kind)
     est = evaluate(shape, load_profile('nvlink8'), cand, BATCH)
     for rank, (start, peak) in enumerate(measured):
         terms = est.terms['memory_buffers'][rank // (l.data * l.tensor)]

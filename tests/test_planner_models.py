@@ -5,7 +5,8 @@
   candidates, numbers and config but the ``type``);
 * a model registered without a planner shape is refused, naming what to register;
 * the descriptor expresses grouped-query attention, a gated MLP, rotary positions and an
-  untied head (parameter layers), which the FLOP/activation formulas refuse for now;
+  untied head (parameter layers and FLOPs; Llama against real builds:
+  tests/test_planner_llama.py);
 * the profile times the one entry registered with ``profile=True``; model_zoo's entries
   carry their Hugging Face adapters; bad descriptors are ValueErrors.
 """
@@ -103,8 +104,10 @@ def test_the_descriptor_expresses_gqa_a_gated_mlp_and_an_untied_head():
             ('layernorm', dict(h=h)),
             ('vocab_classifier', dict(h=h, c=256, bias=False, tied=False))]
         assert len(stage_ranges(shape, 2, 'parameters')) == 2
-        with pytest.raises(NotImplementedError, match='multi-head attention'):
-            model_shape('gqa_lm', None, **opts)
+        # FLOPs: 2 per weight element of q, k, v, o, gate, up, down and 4 s h per token
+        weights = 2 * h * h + 2 * h * kv + 3 * h * f
+        assert model_shape('gqa_lm', None, **opts).block_flops(10) == 10 * (
+            2 * weights + 4 * 64 * h)
     finally:
         unregister_model('gqa_lm')
 

@@ -23,8 +23,10 @@ the step time. Formulas (docs/planner.md has them with their sources):
   family's measured ``rest`` (embedding, head, loss beyond their FLOPs) per micro-batch at
   its tokens; else block FLOPs / t /
   ``flops`` + the per-block overhead (backward 2x forward, a recompute 1x) and
-  tensor communication: ``formulas.block_bytes`` per block and micro-batch through the
-  profile's α-β of the family's collective (a recompute repeats the forward half);
+  tensor communication: ``ModelShape.block_comm_bytes`` (``formulas.block_bytes``
+  generalized to the block's layers: GQA, gated MLP, RMSNorm, no biases, 1D's replicated
+  kv gradients) per block and micro-batch through the profile's α-β of the family's
+  collective (a recompute repeats the forward half);
 * stage boundaries: one p2p of the activation shard per micro-batch and direction (1D:
   a 1/t slice of the replicated activation, then an all_gather over the t ranks);
 * gradient sync: ``formulas.gradient_sync_bytes`` over the data group, each call at the
@@ -63,16 +65,16 @@ from ..zero.chunk.search import search_chunk_size
 from .cluster import ClusterProfile
 from .memory import (DP_BUCKET_BYTES, RNG_STATE_BYTES, ZERO_BUCKET_BYTES, block_kept,
                      mlp_gradient_bytes, rank_memory)
-from .model_spec import ModelShape, layer_params, tensor_numels
+from .model_spec import ModelShape, kv_replicated, layer_params, tensor_numels
 from .profile import family_block_seconds, family_entry, family_forward_share, family_rest_seconds
 
 OVERLAP_SLOWDOWN = 1.3
-_block_bytes = lru_cache(maxsize=65536)(formulas.block_bytes)
 # fp32 AdamW, bytes per local parameter as (whole, per 1/D shard), by ZeRO stage, live
 # after a step (weights, gradients -- ZeRO: the gradient shard -- and Adam moments;
 # tested equal to real builds). The peak's buffers are ``memory.py``'s.
 MODEL_DATA_BYTES = {0: (16, 0), 1: (4, 16), 2: (4, 16), 3: (0, 16)}
-# (op, calls per block) of each family's tensor-parallel traffic (calls: latency terms)
+# (op, calls per block) of each family's tensor-parallel traffic (calls: latency terms) for
+# GPT's block: 4 matmul calls and 2 norms (``tensor_calls`` scales them to other blocks)
 TENSOR_OPS = {'1d': ('all_reduce', 6), '2d': ('broadcast', 30), '2.5d': ('broadcast', 30),
               '3d': ('all_gather', 60), 'sequence': ('p2p', 6)}
 
@@ -143,12 +145,11 @@ def stage_ranges(shape: ModelShape, stages: int, partition: str, layout=None) ->
         raise NotImplementedError(f"the planner predicts partitions 'uniform' and 'parameters', "
                                   f"got {partition!r}")
     serial = ParallelLayout(1, 1, None, 1, 1)
-    h, r = shape.hidden, shape.mlp_ratio
-    block = (4 + 2 * r) * h * h + (9 + r) * h
+    block = layer_params(shape.block_layers(), None, serial)  # GPT: (4 + 2r) h^2 + (9 + r) h
     first = layer_params(shape.first_layers(), None, serial)
     last = layer_params(shape.last_layers(False), None, serial)
-    if shape.traits.tied_head:  # the tied head counted as model_zoo counts it (its vocab matrix)
-        last += shape.vocab * h
+    if shape.tied_head:  # the tied head counted as model_zoo's GPT counts it (its vocab matrix)
+        last += shape.vocab * shape.hidden
     return cut('parameters', shape.layers, stages, block, first, last)
 
 
@@ -202,13 +203,34 @@ def block_memory(shape: ModelShape, layout, micro: float, checkpoint: bool, elem
     return kept, mlp_gradient_bytes(shape, layout, micro, elem)
 
 
-def _tensor_time(cluster: ClusterProfile, layout, nbytes: float) -> float:
+@lru_cache(maxsize=65536)
+def block_comm_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
+    """``shape.block_comm_bytes`` of one block and micro-batch of ``micro`` samples."""
+    return shape.block_comm_bytes(layout.mode, layout.tensor, micro, layout.depth, elem)
+
+
+def tensor_calls(shape: ModelShape, layout) -> float:
+    """Collective calls of one block's tensor-parallel traffic: ``TENSOR_OPS``' count for
+    GPT's 6 units (4 matmul calls, 2 norms) scaled to the block's units, plus the k and v
+    gradient all_reduces (and their biases') where 1D replicates the kv heads."""
+    if layout.mode is None:
+        return 0
+    _, calls = TENSOR_OPS[layout.mode]
+    if layout.mode == 'sequence':   # the ring's exchanges: as many whatever the matmuls
+        return calls
+    units = len(shape.block_calls) + 2
+    extra = (2 + 2 * shape.qkv_bias) if kv_replicated(layout.mode, layout.tensor,
+                                                       shape.kv_heads) else 0
+    return calls * units / 6 + extra
+
+
+def _tensor_time(cluster: ClusterProfile, layout, nbytes: float, calls: float) -> float:
     """Seconds of a block's tensor-parallel traffic: ``calls`` latencies of the family's
     collective over its group (t ranks for 1D/sequence, a grid side q for 2D/2.5D/3D, the
     groups spanning the t consecutive tensor ranks) plus β times the bytes."""
     if layout.mode is None or layout.tensor == 1 or nbytes <= 0:
         return 0.0
-    op, calls = TENSOR_OPS[layout.mode]
+    op, _ = TENSOR_OPS[layout.mode]
     t = layout.tensor
     size = layout.tensor_grid if layout.mode in ('2d', '2.5d', '3d') else t
     size = max(size, 2)
@@ -263,7 +285,8 @@ def block_time(shape: ModelShape, cluster: ClusterProfile, layout, tokens: float
         return forward, whole - forward, 0.0
     overhead = float(cluster.compute.get('block_overhead_s', 0.0))
     forward = flops / t / cluster.flops + overhead / 3
-    return forward, 2 * forward, _tensor_time(cluster, layout, comm_bytes)
+    return forward, 2 * forward, _tensor_time(cluster, layout, comm_bytes,
+                                              tensor_calls(shape, layout))
 
 
 def evaluate(shape: ModelShape, cluster: ClusterProfile, cand: Candidate, batch: int,
@@ -287,8 +310,7 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
 
     f_head = shape.head_flops(micro) / t / cluster.flops
     part_fixed = parts_overhead(cluster, l, shape.hidden, tokens) / 2  # per part, fwd + bwd
-    comm_block = _block_bytes(l.mode, t, micro, shape.seq, shape.hidden,
-                              shape.mlp_ratio, l.depth, elem)
+    comm_block = block_comm_bytes(shape, l, micro, elem)
     f_block, b_block, c_block = block_time(shape, cluster, l, tokens, comm_block)
     recompute = (f_block + 0.5 * c_block) if cand.checkpoint else 0.0
     act_shard = tokens * shape.hidden * elem / (t if l.mode else 1)

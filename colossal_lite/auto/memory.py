@@ -15,16 +15,17 @@ V the head's outputs per token):
 
 * ``states``: what a step starts from after ``zero_grad``: weights and AdamW moments,
   ``12Ψ`` (none), ``4Ψ + 12Ψ/D`` (ZeRO-1/2: full weights, sharded fp32 master and
-  moments), ``12Ψ/D`` (ZeRO-3);
+  moments), ``12Ψ/D`` (ZeRO-3); with rotary positions the model's ``d/2`` frequencies;
 * ``activations``: per block and in-flight micro-batch, what autograd saves
   (``n · ModelShape.block_values_per_token``) plus a saved causal mask ``s²``
-  (``traits.causal_mask``) and, under
-  ZeRO-3, the q/k/v weight and bias joined by a copy for the fused projection
-  ``3(h² + h)/t_w``; checkpointed, the block input ``n h`` (/t unless 1D) and the CPU RNG
-  state it saves; zero bubble: ``min(M, P) · kept + min(M, r + 1) · w_stash`` on rank r
-  (its state before its first W in the ZB-H1 order), ``w_stash`` the output gradients W
-  multiplies by, ``n ((3 + 2r) h / t + 2h)`` (none on the first stage, whose backward
-  waits whole for W);
+  (``traits.causal_mask``) and, under ZeRO-3 or where 1D replicates the kv heads, the
+  q/k/v weight and bias joined by a copy for the fused projection (``qkv_copy_bytes``;
+  GPT ``3(h² + h)/t_w``); per micro-batch the rotary cos/sin tables ``2 s d``;
+  checkpointed, the block input ``n h`` (/t unless 1D) and the CPU RNG state it saves;
+  zero bubble: ``min(M, P) · kept + min(M, r + 1) · w_stash`` on rank r (its state before
+  its first W in the ZB-H1 order), ``w_stash`` the output gradients W multiplies by,
+  ``n ((3 + 2r) h / t + 2h)`` (GPT; ``w_stash_bytes``) (none on the first stage, whose
+  backward waits whole for W);
 * ``head``: the largest transient at the start of a backward: on the last stage three
   logits-sized buffers ``3 n V / t_v`` (the log-softmax -- vocab-parallel: the shifted
   logits, exp and softmax -- and the two backward gradients) and the final LayerNorm's
@@ -67,7 +68,7 @@ from functools import lru_cache
 from typing import Tuple
 
 from ..config.schedules import SCHEDULES, w_waiting
-from .model_spec import ModelShape
+from .model_spec import ModelShape, kv_replicated
 
 DP_BUCKET_BYTES = 25 * 2 ** 20       # engine.gradient_handler.DEFAULT_BUCKET_BYTES
 ZERO_BUCKET_BYTES = 25 * 2 ** 20     # the ZeRO-1/2 reducer's default bucket
@@ -121,13 +122,32 @@ def causal_mask_bytes(shape: ModelShape, layout, elem: int = 4) -> float:
 
 
 def qkv_copy_bytes(shape: ModelShape, layout, elem: int = 4) -> float:
-    """The q/k/v weight and bias joined for the fused projection, ``3 (h^2 + h) / t_w``
-    (t_w = t for the families that split weights, 1 for none and sequence), when
-    ``join_rows`` must copy them: under ZeRO-3, whose chunks hold each weight apart (else
-    ``place_qkv_adjacent`` makes it a view)."""
+    """The q/k/v weights and biases joined for the fused projection, ``(h / t_w + 2 kv_r)
+    (h + [bias])`` (t_w = t for the families that split weights, 1 for none and sequence;
+    kv_r the local k/v width ``n_kv d / t_w``, or ``d`` where 1D replicates the kv heads;
+    GPT: ``3 (h^2 + h) / t_w``), when ``join_rows`` must copy them (:func:`qkv_copied`)."""
     h = shape.hidden
     t_w = layout.tensor if layout.mode in ('1d', '2d', '2.5d', '3d') else 1
-    return elem * 3 * (h * h + h) / t_w
+    kv = shape.local_kv_width(layout.mode, t_w)
+    return elem * (h / t_w + 2 * kv) * (h + (1 if shape.qkv_bias else 0))
+
+
+def qkv_copied(shape: ModelShape, layout, zero: int) -> bool:
+    """Whether each block keeps a joined copy of its q/k/v weights per micro-batch: under
+    ZeRO-3, whose chunks hold each weight apart (else ``place_qkv_adjacent`` makes the join
+    a view), and wherever 1D replicates the kv heads (the rows a rank uses of a replicated
+    k/v weight never lie next to its q rows: ``GroupedKVLinear1D``)."""
+    return zero == 3 or kv_replicated(layout.mode, layout.tensor, shape.kv_heads)
+
+
+def rotary_bytes(shape: ModelShape, layout, elem: int = 4) -> Tuple[float, float]:
+    """(the model's rotary frequencies, ``d / 2`` fp32 values kept with its weights; the
+    cos and sin tables ``2 s d`` one micro-batch's blocks share and save, ``s / t`` rows in
+    sequence mode) where ``traits.rotary``, else zeros."""
+    if not shape.traits.rotary:
+        return 0.0, 0.0
+    rows = shape.seq / (layout.tensor if layout.mode == 'sequence' else 1)
+    return 4 * shape.head_dim // 2, elem * 2 * rows * shape.head_dim
 
 
 def block_kept(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
@@ -144,7 +164,8 @@ def head_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
     """The last stage's loss-head buffers at the start of backward: three logits-sized
     buffers (the fourth, the logits, is the schedule's kept output or freed when
     pipelined; 3D: or, when larger, the classifier's :func:`cube_backward_bytes` next to
-    the logits' gradient), the final LayerNorm's input, output and statistics, the head
+    the logits' gradient), the final LayerNorm's input, output and statistics (an RMSNorm's
+    input, normalized values, output and statistic, ``3h + 1``), the head
     transform, and under 2D/2.5D the classifier's SUMMA backward blocks (module doc)."""
     t = layout.tensor if layout.mode else 1
     t_v = t if layout.mode not in (None, 'sequence') else 1
@@ -152,7 +173,7 @@ def head_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
     tokens = micro * shape.seq / seq_split
     head_tokens = micro * (shape.seq / seq_split if shape.traits.head_per_token else 1)
     ln_split = 1 if layout.mode in (None, '1d', 'sequence') else t
-    per_token = 2 * shape.hidden + 2
+    per_token = 3 * shape.hidden + 1 if shape.traits.rms_norm else 2 * shape.hidden + 2
     if shape.traits.head_transform:  # dense and GELU outputs, LayerNorm output and
         per_token += 3 * shape.hidden + 2   # statistics (its input is the GELU output)
     d_logits = head_tokens * shape.outputs / t_v
@@ -182,37 +203,41 @@ def cube_backward_bytes(tokens: float, fan_in: int, fan_out: int, q: int, t: int
 
 
 def mlp_gradient_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
-    """A block's backward transient: the gradients of its MLP hidden, the GELU's output and
-    the fc1 output, ``2 n r h`` (/t where the MLP is split: every family but none); 2D and
-    2.5D add fc1's SUMMA backward blocks of two steps in flight, ``min(q, 2) (n r h + r h^2)
+    """A block's backward transient: the gradients of its MLP hidden (i = r h wide), the
+    GELU's output and the fc1 output, ``2 n i`` -- gated, the product's and the gate's and
+    up's outputs', ``3 n i`` -- (/t where the MLP is split: every family but none); 2D and
+    2.5D add fc1's SUMMA backward blocks of two steps in flight, ``min(q, 2) (n i + i h)
     / t`` (the broadcast dY and W blocks); 3D: the larger, fc2's or fc1's
     :func:`cube_backward_bytes`."""
     t = layout.tensor if layout.mode else 1
     tokens = micro * shape.seq
-    hidden = shape.mlp_ratio * shape.hidden
+    hidden = shape.ffn
+    grads = shape.mlp_inputs + 1
     summa = 0.0
     if layout.mode in ('2d', '2.5d'):  # fc1's SUMMA backward: its broadcast dY and W blocks
         summa = min(layout.tensor_grid, 2) * (tokens * hidden + hidden * shape.hidden) / t
     if layout.mode == '3d':
         q, h = layout.tensor_grid, shape.hidden
-        return max(elem * 2 * tokens * hidden / t,
+        return max(elem * grads * tokens * hidden / t,
                    cube_backward_bytes(tokens, hidden, h, q, t, elem),
                    cube_backward_bytes(tokens, h, hidden, q, t, elem))
-    return elem * (2 * tokens * hidden / t + summa)
+    return elem * (grads * tokens * hidden / t + summa)
 
 
 def w_stash_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
     """Zero bubble's W stash, per block and micro-batch whose weight-gradient pass is
-    pending: the gradients the B pass computed at the outputs of q/k/v (3h), of the
-    attention projection (h), of fc1 and of the GELU (2 r h) and of fc2 (h), which W
-    multiplies by the saved inputs (the column-split ones /t: 1D, 2D, ...; sequence
-    mode: n is this rank's share)."""
+    pending: the gradients the B pass computed at the outputs of q/k/v (h + 2 n_kv d; the
+    local kv width, ``ModelShape.local_kv_width``), of the attention projection (h), of
+    the MLP's hidden (fc1 and the GELU, 2i; gated: gate, up and their product, 3i) and of
+    fc2 (h), which W multiplies by the saved inputs (the column-split ones /t: 1D, 2D, ...;
+    sequence mode: n is this rank's share)."""
     t = layout.tensor if layout.mode else 1
     split = t if layout.mode not in (None, 'sequence') else 1
     tokens = micro * shape.seq / (t if layout.mode == 'sequence' else 1)
-    h, r = shape.hidden, shape.mlp_ratio
+    h, f = shape.hidden, shape.ffn
+    kv = shape.local_kv_width(layout.mode, split) * split
     row_out = h / (split if layout.mode in ('2d', '2.5d', '3d') else 1)
-    return elem * tokens * ((3 * h + 2 * r * h) / split + 2 * row_out)
+    return elem * tokens * ((h + 2 * kv + (shape.mlp_inputs + 1) * f) / split + 2 * row_out)
 
 
 def zero_bubble_peak_state(ranks: int, microbatches: int, rank: int) -> Tuple[int, int]:
@@ -265,8 +290,9 @@ def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: 
     grads = elem * params
     kept, qkv, block_input, mlp, loss_head, boundary, logits, stash = _unit_terms(
         shape, layout, micro, elem)
-    if zero == 3:
+    if qkv_copied(shape, layout, zero):
         kept += qkv
+    frequencies, tables = rotary_bytes(shape, layout, elem)
     if checkpoint:  # each block keeps its input and the CPU RNG state for its recompute
         activations = held * blocks * block_input
     elif SCHEDULES[schedule].split_backward and layout.pipeline > 1:
@@ -274,6 +300,8 @@ def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: 
         activations = blocks * (held_zb * kept + (waiting * stash if rank else 0.0))
     else:
         activations = held * blocks * kept
+    if blocks:   # the rotary tables, shared by the blocks of a micro-batch
+        activations += held * tables
     head = mlp if blocks else 0.0
     if last:
         head = max(head, loss_head)
@@ -300,7 +328,7 @@ def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: 
         # gradient transient (the last block) or every later block's gradients (the first)
         head = max(head, kept + block_input + max(mlp, grads - gradients_a))
     gathered = grads if zero == 3 else 0.0
-    return RankMemory(states=states_bytes(params, zero, d, elem),
+    return RankMemory(states=states_bytes(params, zero, d, elem) + frequencies,
                       activations=activations, head=head,
                       outputs=m * out,
                       gradients_a=gradients_a, gathered=gathered,

@@ -1,7 +1,10 @@
 """What the planner needs to know about a registered model: its layers as the kinds of
-``colossal_lite/formulas.py`` (parameters per rank in any layout), its FLOPs and the
-activations one block saves -- read through the registry entry's ``PlannerShape`` (which
-options hold the sizes) and ``ModelTraits`` (its structure), never through its name.
+``colossal_lite/formulas.py`` plus ``rmsnorm`` and ``kv_linear`` (:func:`param_formulas`:
+parameters per rank in any layout), its FLOPs, the activations one block saves and its
+tensor-parallel bytes -- read through the registry entry's ``PlannerShape`` (which options
+hold the sizes) and ``ModelTraits`` (its structure), never through its name. One set of
+formulas, parametrized by the traits: grouped-query attention (n_kv heads, 1D's replicated
+kv heads), a gated MLP, RMSNorm, biases or none, rotary positions, a tied or untied head.
 
 A model is *first part -> n identical blocks -> last part* (``pipeline/stages.py``); a
 pipelined model keeps the first part on stage 0 and the last on stage S-1, which also
@@ -15,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 import colossal_lite.formulas as formulas
 
+from ..config.families import family
 from ..models import ModelTraits, PlannerShape, get_model, load_entry_points, registered_models
 
 Layer = Tuple[str, dict]   # (formulas kind, its dims)
@@ -33,7 +37,8 @@ class ModelShape:
 
     @cached_property
     def opts(self) -> Dict[str, object]:
-        return dict(self.options)
+        """The resolved options (``options`` holds them frozen, so a shape is hashable)."""
+        return {k: _thaw(v) for k, v in self.options}
 
     @cached_property
     def names(self) -> PlannerShape:
@@ -62,8 +67,38 @@ class ModelShape:
 
     @cached_property
     def kv_heads(self) -> int:
-        """Key/value heads (grouped-query attention), else ``heads``."""
-        return self.option(self.names.kv_heads) if self.names.kv_heads else self.heads
+        """Key/value heads n_kv (grouped-query attention), else ``heads``."""
+        kv = self.option(self.names.kv_heads) if self.names.kv_heads else None
+        return self.heads if kv is None else kv
+
+    @cached_property
+    def head_dim(self) -> int:
+        """d = h / heads."""
+        return self.hidden // self.heads
+
+    @cached_property
+    def kv_dim(self) -> int:
+        """Width of the k (and of the v) projection, n_kv * d."""
+        return self.kv_heads * self.head_dim
+
+    @cached_property
+    def tied_head(self) -> bool:
+        """The head's weight is the token embedding's (option ``PlannerShape.tie_head``,
+        else ``traits.tied_head``)."""
+        names = self.names
+        return bool(self.option(names.tie_head)) if names.tie_head else self.traits.tied_head
+
+    @cached_property
+    def qkv_bias(self) -> bool:
+        """The q/k/v projections have biases (option ``PlannerShape.qkv_bias``, else
+        ``traits.linear_bias``)."""
+        names = self.names
+        return bool(self.option(names.qkv_bias)) if names.qkv_bias else self.traits.linear_bias
+
+    @cached_property
+    def mlp_inputs(self) -> int:
+        """The MLP's input projections: 2 when gated (gate and up), else 1."""
+        return 2 if self.traits.gated_mlp else 1
 
     @cached_property
     def mlp_ratio(self):
@@ -77,7 +112,11 @@ class ModelShape:
     def ffn(self) -> int:
         """The MLP's inner width."""
         if self.names.ffn is not None:
-            return self.option(self.names.ffn)
+            ffn = self.option(self.names.ffn)
+            if ffn is None:
+                raise ValueError(f'model {self.kind!r}: give option {self.names.ffn!r} (the '
+                                 f"planner does not know the builder's default MLP width)")
+            return ffn
         return self.mlp_ratio * self.hidden
 
     @cached_property
@@ -92,16 +131,20 @@ class ModelShape:
 
     # ---------------------------------------------------------------- layers
     def block_layers(self) -> List[Layer]:
-        """LayerNorm, q/k/v (k and v of ``kv_heads`` heads) and output projections, LayerNorm,
-        the MLP's input projection (two when gated) and its output projection."""
-        h, f = self.hidden, self.ffn
-        kv = self.kv_heads * (h // self.heads)
-        def lin(fin, fout, region):
-            return ('linear', dict(fin=fin, fout=fout, bias=True, region=region))
-        mlp_in = [lin(h, f, 'enter')] * (2 if self.traits.gated_mlp else 1)
-        return ([('layernorm', dict(h=h)), lin(h, h, 'enter'), lin(h, kv, 'enter'),
-                 lin(h, kv, 'enter'), lin(h, h, 'exit'), ('layernorm', dict(h=h))]
-                + mlp_in + [lin(f, h, 'exit')])
+        """The norm (LayerNorm, or RMSNorm where ``traits.rms_norm``), q ``[h -> h]``, k and v
+        ``[h -> n_kv d]`` (kind ``kv_linear``: split with the heads, or replicated where the
+        family replicates kv heads, :func:`kv_replicated`), o ``[h -> h]``, the norm, the MLP's
+        input projection ``[h -> i]`` (gate and up when ``traits.gated_mlp``) and its output
+        projection ``[i -> h]``; biases where ``traits.linear_bias`` (q/k/v: :attr:`qkv_bias`).
+        Rotary positions add no parameters."""
+        h, f, bias = self.hidden, self.ffn, self.traits.linear_bias
+        norm = ('rmsnorm' if self.traits.rms_norm else 'layernorm', dict(h=h))
+        def lin(fin, fout, region, b=bias):
+            return ('linear', dict(fin=fin, fout=fout, bias=b, region=region))
+        kv = ('kv_linear', dict(fin=h, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                bias=self.qkv_bias))
+        return ([norm, lin(h, h, 'enter', self.qkv_bias), kv, kv, lin(h, h, 'exit'), norm]
+                + [lin(h, f, 'enter')] * self.mlp_inputs + [lin(f, h, 'exit')])
 
     def first_layers(self) -> List[Layer]:
         """The embeddings: tokens, learned positions, token types, or an image's patches;
@@ -123,11 +166,12 @@ class ModelShape:
         return out
 
     def last_layers(self, pipelined: bool) -> List[Layer]:
-        """The head's layers: the final LayerNorm (pre-LN), the head transform, the head
+        """The head's layers: the final norm (pre-LN), the head transform, the head
         (vocabulary-parallel unless it outputs classes), the pooled pair classifier; a
         pipelined model's last stage also holds the token embedding a tied head uses."""
         names, traits, h = self.names, self.traits, self.hidden
-        out: List[Layer] = [('layernorm', dict(h=h))] if traits.final_norm else []
+        norm = 'rmsnorm' if traits.rms_norm else 'layernorm'
+        out: List[Layer] = [(norm, dict(h=h))] if traits.final_norm else []
         if traits.head_transform:
             out += [('linear', dict(fin=h, fout=h, bias=True, region=None)),
                     ('layernorm', dict(h=h))]
@@ -135,11 +179,11 @@ class ModelShape:
             out.append(('classifier', dict(h=h, c=self.outputs, bias=traits.head_bias)))
         else:
             out.append(('vocab_classifier', dict(h=h, c=self.outputs, bias=traits.head_bias,
-                                                 tied=traits.tied_head)))
+                                                 tied=self.tied_head)))
         if names.pair_head and self.option(names.pair_head):
             out += [('linear', dict(fin=h, fout=h, bias=True, region=None)),
                     ('classifier', dict(h=h, c=2, bias=True))]
-        if pipelined and traits.tied_head:
+        if pipelined and self.tied_head:
             out.append(('vocab_embedding', dict(v=self.vocab, h=h)))
         return out
 
@@ -150,11 +194,24 @@ class ModelShape:
                 * self.layers + tensor_numels(self.last_layers(False)))
 
     # ---------------------------------------------------------------- FLOPs and activations
+    @cached_property
+    def block_calls(self) -> Tuple[Tuple[int, int, bool], ...]:
+        """The block's matmuls as the runtime calls them, ``(fan_in, fan_out, bias)``: q, k
+        and v fused into one ``[h -> h + 2 n_kv d]`` (``col_nn.project_qkv``), o
+        ``[h -> h]``, each MLP input projection ``[h -> i]`` (gate and up when gated; called
+        apart) and the output projection ``[i -> h]``."""
+        h, f, bias = self.hidden, self.ffn, self.traits.linear_bias
+        return (((h, h + 2 * self.kv_dim, self.qkv_bias), (h, h, bias))
+                + ((h, f, bias),) * self.mlp_inputs + ((f, h, bias),))
+
     def block_flops(self, tokens: float) -> float:
-        """Forward FLOPs of one block on ``tokens`` = b*s tokens: the matmuls 2 (4 + 2r) h^2
-        per token and attention's two products 4 s h per token."""
-        h = self.hidden
-        return tokens * (2 * (4 + 2 * self.mlp_ratio) * h * h + 4 * self.seq * h)
+        """Forward FLOPs of one block on ``tokens`` = b*s tokens: 2 per weight element of its
+        matmuls per token, ``2 (2 h^2 + 2 h n_kv d + (1 + g) h i)`` (g = 2 gated, else 1;
+        GPT: ``2 (4 + 2r) h^2``), and attention's two products ``4 s h`` per token (per query
+        head, whatever n_kv; the causal half not discounted). Elementwise work (norms,
+        rotary, GELU / SiLU, softmax, biases) is not counted."""
+        weights = sum(fan_in * fan_out for fan_in, fan_out, _ in self.block_calls)
+        return tokens * (2 * weights + 4 * self.seq * self.hidden)
 
     def head_flops(self, samples: float) -> float:
         """Forward FLOPs of the head: on every token (a language model) or on one (a
@@ -164,44 +221,128 @@ class ModelShape:
         return 2.0 * samples * self.seq * self.hidden * self.outputs
 
     def block_activation_bytes(self, samples: float, elem: int = 4) -> float:
-        """Bytes one block of model_zoo's ``TransformerLayer`` saves for backward for
-        ``samples`` sequences, unsharded: per token ``(8 + 2r) h + 4 + a`` values -- the
-        inputs of the two LayerNorms and their outputs, q, k, v, the attention output, the
-        fc1 output and the GELU output (8h + 2rh), the LayerNorms' mean and rstd (4) and the
-        attention's log-sum-exp per head (a; ``scaled_dot_product_attention`` keeps no
-        s x s matrix). Counted with ``saved_tensors_hooks`` on real blocks (a test); no
-        dropout masks (dropout 0)."""
+        """Bytes one block saves for backward for ``samples`` sequences, unsharded:
+        :meth:`block_values_per_token` of the serial block (GPT: ``(8 + 2r) h + 4 + a``).
+        No dropout masks (dropout 0)."""
         return samples * self.seq * self.block_values_per_token() * elem
+
+    def norm_values_per_token(self, mode: Optional[str] = None, tensor: int = 1,
+                              grid: int = 1) -> float:
+        """Saved values per token of one norm on a rank (:meth:`block_values_per_token`): a
+        LayerNorm ``2h + 2`` (input, output, mean and rstd), an RMSNorm ``3h + 1`` (input, the
+        normalized fp32 values, output, rstd); 1D replicates them; 2D/2.5D/3D: LayerNorm
+        ``(2h + 2) / t + h / (2q)`` (its gathered statistics input), RMSNorm ``(3h + q) / t``
+        (one statistic per local token: ``1 / batch split = q / t``); sequence ``/ t``."""
+        h, rms = self.hidden, self.traits.rms_norm
+        t = tensor if mode not in (None, '1d') else 1
+        if mode in ('2d', '2.5d', '3d'):
+            return (3 * h + grid) / t if rms else (2 * h + 2) / t + h / (2 * grid)
+        return (3 * h + 1 if rms else 2 * h + 2) / t
 
     def block_values_per_token(self, mode: Optional[str] = None, tensor: int = 1,
                                grid: int = 1) -> float:
-        """Saved values per token of a block (:meth:`block_activation_bytes`) on one of
-        ``tensor`` ranks of family ``mode`` (``grid``: the 2D/2.5D/3D grid side q). Counted
-        with ``saved_tensors_hooks`` on real blocks of each family (tests):
-
-        * none: ``(8 + 2r) h + 4 + a``;
-        * 1D (Megatron): the LayerNorm inputs/outputs and statistics ``4h + 4`` replicated,
-          the rest ``((4 + 2r) h + a) / t``;
-        * 2D/2.5D/3D: everything ``/ t`` plus ``h / q`` (the LayerNorm's gathered
-          statistics input);
-        * sequence: everything ``/ t`` plus ``a (c s - 1) / t`` for the ring attention's
-          per-head score statistics (c = 2 for causal attention, ``traits.causal``, else 1)."""
-        h, r, a = self.hidden, self.mlp_ratio, self.heads
+        """Saved values per token of a block on one of ``tensor`` ranks of family ``mode``
+        (``grid``: the 2D/2.5D/3D grid side q), counted with ``saved_tensors_hooks`` on real
+        blocks (tests: GPT and BERT in every family, Llama serial, 1D and 2D). Serially:
+        two norms (:meth:`norm_values_per_token`); attention ``h + 2 kv`` (the fused q/k/v
+        output, one storage; kv = n_kv d), the rotated q and k ``h + kv`` (``traits.rotary``),
+        its output ``h`` and log-sum-exp per head ``a`` (``scaled_dot_product_attention``
+        keeps no s x s matrix); the MLP's hidden ``2 i`` (fc1 and GELU outputs) or, gated,
+        ``4 i`` (gate, SiLU, up outputs and their product). GPT: ``(8 + 2r) h + 4 + a``.
+        On a rank everything but the norms is ``/ t`` (none: t = 1), the k/v terms of the local
+        kv width: ``d`` per rank where 1D replicates the kv heads (t > n_kv); the sequence
+        ring (online softmax) saves q, k, v, the output and the log-sum-exp, as serial."""
+        h, a, f = self.hidden, self.heads, self.ffn
         t = tensor if mode else 1
+        kv = self.local_kv_width(mode, tensor) if mode else self.kv_dim
+        rotary = h / t + kv if self.traits.rotary else 0.0
+        attention = 2 * h / t + 2 * kv + rotary + a / t
+        mlp = 2 * self.mlp_inputs * f / t
+        return 2 * self.norm_values_per_token(mode, tensor, grid) + attention + mlp
+
+    def local_kv_width(self, mode: Optional[str], tensor: int) -> float:
+        """The k (or v) projection's output width on a rank: ``n_kv d / t``, or ``d`` where
+        the family replicates the kv heads (:func:`kv_replicated`: each rank uses the kv
+        head its query heads read)."""
+        if kv_replicated(mode, tensor, self.kv_heads):
+            return self.head_dim
+        return self.kv_dim / (tensor if mode else 1)
+
+    def block_comm_bytes(self, mode: Optional[str], p: int, b: float, depth: int = 1,
+                         elem: int = 4) -> float:
+        """``formulas.block_bytes`` generalized to this block (:attr:`block_calls`): one block
+        forward + backward on ``b`` sequences (n = b s tokens), buffer bytes per rank over
+        the tensor group(s); GPT's block gives ``formulas.block_bytes`` exactly (a test):
+
+        * 1D: an all_reduce of ``n h`` per call (the input gradient of q/k/v and of each MLP
+          input projection, o's and the output projection's forward), and where the kv heads
+          are replicated (:func:`kv_replicated`) the all_reduce of the full k and v weight
+          (and bias) gradients, ``2 (h + bias) n_kv d`` (``GroupedKVLinear1D``);
+        * 2D/2.5D (p = d q^2): per call ``2 n out/(d q) + 3 in out/q + [d>1] in out/q^2``,
+          with a bias ``+ out/q (1 + [d>1])``; per LayerNorm ``4 n/(d q) + 2 h/q (1 + [d>1])``,
+          per RMSNorm half (one statistic, no bias);
+        * 3D (p = q^3): ``formulas.linear_3d_bytes`` per call, per LayerNorm
+          ``4 n/q^2 + 2h/q``, per RMSNorm half;
+        * sequence: ``formulas.ring_attention_bytes`` of the k/v width;
+        * None (or p == 1): 0."""
+        if mode is None or p == 1:
+            return 0
+        s, h, calls = self.seq, self.hidden, self.block_calls
+        n = b * s
+        norm = 0.5 if self.traits.rms_norm else 1.0
         if mode == '1d':
-            return 4 * h + 4 + ((4 + 2 * r) * h + a) / t
-        base = ((8 + 2 * r) * h + 4 + a) / t
-        if mode in ('2d', '2.5d', '3d'):
-            return base + h / grid
+            out = len(calls) * b * s * h * elem
+            if kv_replicated(mode, p, self.kv_heads):
+                out += 2 * (h + self.qkv_bias) * self.kv_dim * elem
+            return out
         if mode == 'sequence':
-            return base + a * ((2 if self.traits.causal else 1) * self.seq - 1) / t
-        return base
+            return formulas.ring_attention_bytes(p, b, s, self.kv_dim, elem)
+        if mode in ('2d', '2.5d'):
+            q = round((p // depth) ** 0.5)
+            deep = 1 if depth > 1 else 0
+            elems = sum(2 * n * o / (depth * q) + 3 * i * o / q + deep * i * o / q ** 2
+                        + (o / q * (1 + deep) if bias else 0) for i, o, bias in calls)
+            elems += 2 * norm * (4 * n / (depth * q) + 2 * h / q * (1 + deep))
+            return elem * elems
+        if mode == '3d':
+            q = round(p ** (1 / 3))
+            return (sum(formulas.linear_3d_bytes(b, s, i, o, q, bias=bias, elem=elem)
+                        for i, o, bias in calls)
+                    + elem * 2 * norm * (4 * n / q ** 2 + 2 * h / q))
+        raise ValueError(f'unknown tensor mode {mode!r}')
+
+
+def kv_replicated(mode: Optional[str], tensor: int, kv_heads: int) -> bool:
+    """Whether the k/v projections are replicated per group of ranks: the family replicates
+    heads it cannot split (``TensorFamily.replicates``: 1D) and its head split does not
+    divide ``kv_heads`` (t > n_kv; ``check_layout`` requires n_kv | t then). Every rank
+    then holds the full ``[n_kv d, h]`` weights."""
+    if mode is None or tensor == 1:
+        return False
+    fam = family(mode)
+    return 'head' in fam.replicates and kv_heads % tensor != 0
 
 
 def layer_params(layers: List[Layer], mode: Optional[str], layout) -> int:
-    """Elements one rank holds of ``layers`` under ``layout`` (``formulas.params``)."""
-    table = formulas.params(mode, layout)
+    """Elements one rank holds of ``layers`` under ``layout`` (:func:`param_formulas`)."""
+    table = param_formulas(mode, layout)
     return sum(table[kind](**dims) for kind, dims in layers)
+
+
+def param_formulas(mode: Optional[str], layout) -> dict:
+    """``formulas.params`` plus the kinds of the blocks it does not describe: ``rmsnorm(h)``
+    (a LayerNorm's weight without its bias: half of ``layernorm``) and
+    ``kv_linear(fin, kv_heads, head_dim, bias)`` -- an 'enter' linear to ``n_kv d``, or
+    replicated whole, ``(fin + bias) n_kv d``, where :func:`kv_replicated`."""
+    table = dict(formulas.params(mode, layout))
+    layernorm, linear = table['layernorm'], table['linear']
+
+    def kv_linear(fin, kv_heads, head_dim, bias=True):
+        if kv_replicated(mode, layout.tensor if mode else 1, kv_heads):
+            return (fin + (1 if bias else 0)) * kv_heads * head_dim
+        return linear(fin, kv_heads * head_dim, bias, 'enter')
+    table.update(rmsnorm=lambda h: layernorm(h) // 2, kv_linear=kv_linear)
+    return table
 
 
 def tensor_numels(layers: List[Layer]) -> List[int]:
@@ -210,8 +351,13 @@ def tensor_numels(layers: List[Layer]) -> List[int]:
     for kind, a in layers:
         if kind == 'linear':
             out += [a['fin'] * a['fout']] + ([a['fout']] if a['bias'] else [])
+        elif kind == 'kv_linear':
+            width = a['kv_heads'] * a['head_dim']
+            out += [a['fin'] * width] + ([width] if a['bias'] else [])
         elif kind == 'layernorm':
             out += [a['h'], a['h']]
+        elif kind == 'rmsnorm':
+            out.append(a['h'])
         elif kind in ('embedding', 'vocab_embedding'):
             out.append(a['v'] * a['h'])
         elif kind in ('vocab_classifier', 'classifier'):
@@ -243,16 +389,10 @@ def model_shape(kind: str, preset: Optional[str] = None, seq: Optional[int] = No
                 **overrides) -> ModelShape:
     """The :class:`ModelShape` of registered model ``kind`` at ``preset`` (+ overrides);
     ``seq`` defaults to the option ``PlannerShape.seq`` names (an image model: 1 + patches,
-    fixed by the image). NotImplementedError for what the FLOP and activation formulas do not
-    model yet (grouped-query attention, a gated MLP)."""
+    fixed by the image)."""
     entry = planner_entry(kind)
-    names, traits = entry.shape, entry.traits
+    names = entry.shape
     options = entry.options(preset, overrides)
-    if traits.gated_mlp or (names.kv_heads and entry.option(options, names.kv_heads)
-                            != entry.option(options, names.heads)):
-        raise NotImplementedError(f'the planner counts the parameters of {kind!r} but its FLOP '
-                                  f'and activation formulas assume multi-head attention and a '
-                                  f'two-matrix MLP')
     if names.image:
         image, patch = entry.option(options, names.image), entry.option(options, names.patch)
         tokens = image_tokens(image, patch)
@@ -267,7 +407,29 @@ def model_shape(kind: str, preset: Optional[str] = None, seq: Optional[int] = No
         seq = limit if seq is None else seq
         if not 1 <= seq <= (limit or seq):
             raise ValueError(f'seq must be in [1, {names.seq} = {limit}], got {seq}')
-    return ModelShape(kind, preset, tuple(sorted(options.items())), int(seq))
+    return ModelShape(kind, preset, tuple(sorted((k, _freeze(v)) for k, v in options.items())),
+                      int(seq))
+
+
+class _FrozenDict(dict):
+    """A dict option (e.g. a rope scaling) made hashable for ``ModelShape.options``."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+
+def _freeze(value):
+    if isinstance(value, dict):
+        return _FrozenDict((k, _freeze(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value):
+    if isinstance(value, dict):
+        return {k: _thaw(v) for k, v in value.items()}
+    return value
 
 
 def resolve_model_name(name: str) -> Tuple[str, Optional[str]]:

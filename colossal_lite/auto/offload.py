@@ -126,7 +126,7 @@ def zero3_offload(shards: Sequence[int], data: int, placement: str, microbatches
                   elem: int = 4) -> Offload:
     """The device ledger of chunk ZeRO over one step (module doc) for chunks of ``shards``
     elements per rank in first-use order; ``tied``: the head reuses the first chunk's
-    embedding (``traits.tied_head``)."""
+    embedding (``ModelShape.tied_head``)."""
     n = len(shards)
     if placement == 'auto':
         raise NotImplementedError("placement 'auto' caches what fits under the limit minus the "
@@ -226,7 +226,7 @@ def apply(est, shape, cluster: ClusterProfile, elem: int = 4):
     memory, detail = list(est.memory), None
     if cand.zero == 3:
         shards = chunk_shards(shape, l.data, l.tensor if l.mode else 1)
-        tied = shape.traits.tied_head
+        tied = shape.tied_head
         device = zero3_offload(shards, l.data, 'device', cand.microbatches, tied=tied, elem=elem)
         detail = zero3_offload(shards, l.data, cand.placement, cand.microbatches,
                                cand.device_fraction, tied=tied, elem=elem)

@@ -80,14 +80,22 @@ def check_layout(spec: JobSpec, layout, pipeline: Optional[PipelineSettings] = N
 
 
 def check_rule(rule: SizeRule, layout, fam):
-    """``rule``'s value divisible by its layout split (or its int); ConfigError otherwise."""
+    """``rule``'s value divisible by its layout split (or its int), or -- ``rule.or_divides``
+    in a family that replicates that split's items (``fam.replicates``) -- dividing it;
+    ConfigError otherwise."""
     named = f"'{rule.key}'" + (f' ({rule.what})' if rule.what else '')
     if isinstance(rule.by, str):
         n = getattr(fam, f'{rule.by}_split')(layout)
-        if rule.value % n:
-            raise ConfigError(f"tensor mode {layout.mode!r} splits the {SPLIT_NOUNS[rule.by]} "
-                              f"{n} ways ({layout_text(layout)}): it needs {named} divisible "
-                              f"by {n}, got {rule.value}")
+        if rule.value % n == 0:
+            return
+        replicates = rule.or_divides and rule.by in fam.replicates
+        if replicates and n % rule.value == 0:
+            return
+        either = (f' or dividing {n} (it replicates them per group of ranks)' if replicates
+                  else '')
+        raise ConfigError(f"tensor mode {layout.mode!r} splits the {SPLIT_NOUNS[rule.by]} "
+                          f"{n} ways ({layout_text(layout)}): it needs {named} divisible "
+                          f"by {n}{either}, got {rule.value}")
     elif rule.value % rule.by:
         raise ConfigError(f"{named} = {rule.value} must be divisible by "
                           f"'{rule.by_key or rule.by}' = {rule.by}")
