@@ -5,13 +5,12 @@ import torch
 from torch import nn
 
 import colossal_lite.nn as col_nn
-from colossal_lite.nn.registry import current_mode
 from colossal_lite.tensor import init_by_name
 
 from .blocks import (StagedTransformer, normal_init, plan_transformer_stages, preset_config,
                      stage_blocks)
 from .hf import HFConvertible, constructor_args
-from .kv_cache import KVCache
+from .kv_cache import CachedDecoding, KVCache
 
 # vocabularies are padded to a multiple of 128 (50257 -> 50304) so every tensor split divides
 GPT_PRESETS = {
@@ -23,7 +22,7 @@ GPT_PRESETS = {
 }
 
 
-class GPT(HFConvertible, StagedTransformer):
+class GPT(CachedDecoding, HFConvertible, StagedTransformer):
     """``GPT(...)(input_ids [b, s]) -> logits`` (vocab-split under tensor parallelism;
     ``colossal_lite.nn.gather_logits`` gives the full ``[b, s, V]``).
 
@@ -65,27 +64,12 @@ class GPT(HFConvertible, StagedTransformer):
     def from_preset(cls, name: str, **overrides) -> 'GPT':
         return cls(**preset_config(GPT_PRESETS, name, overrides, 'GPT'))
 
-    def new_kv_cache(self) -> KVCache:
-        """An empty cache for incremental decoding: ``model(ids, kv_cache=cache)`` appends
-        the step's local keys/values to it (no communication; ``model_zoo/kv_cache.py``)
-        and offsets the step's positions by ``cache.length``. Serial and 1D/2D/2.5D/3D."""
-        if self.is_pipelined:
-            raise NotImplementedError('KV-cached decoding is not implemented under pipeline '
-                                      'parallelism; load the weights into a tensor layout')
-        if current_mode() == 'sequence':
-            raise NotImplementedError('KV-cached decoding is not implemented under sequence '
-                                      'parallelism (a decoding step of one token cannot be '
-                                      'split along the sequence); use a tensor mode')
-        return KVCache(self.stage_spec().layers)
-
     def forward(self, input_ids: torch.Tensor, stage_input: torch.Tensor = None,
                 stage: int = None, kv_cache: KVCache = None,
                 last_only: bool = False) -> torch.Tensor:
         """``kv_cache``: see :meth:`new_kv_cache`; ``last_only``: the logits of the last
         position only, ``[b, 1, V]`` (no tensor mode splits the sequence: a local slice)."""
-        if last_only and current_mode() == 'sequence':
-            raise NotImplementedError('last_only is not implemented under sequence parallelism '
-                                      '(the last position lives on the last sequence rank)')
+        self.check_last_only(last_only)
         spec = self.stage_spec(stage)
         x = self.stage_start(spec, stage_input)
         if spec.first:

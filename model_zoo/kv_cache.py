@@ -14,6 +14,8 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
+from colossal_lite.nn.registry import current_mode
+
 
 class LayerKV:
     """One attention layer's cached local keys and values (None before the first step)."""
@@ -45,3 +47,27 @@ class KVCache:
 
     def layer(self, index: int) -> LayerKV:
         return self.layers[int(index)]
+
+
+class CachedDecoding:
+    """Mixin of the causal LMs (GPT, Llama; staged models): :meth:`new_kv_cache` and the
+    guard of ``forward(..., last_only=True)``, refused where no rank holds what they need."""
+
+    def new_kv_cache(self) -> KVCache:
+        """An empty cache for incremental decoding: ``model(ids, kv_cache=cache)`` appends the
+        step's local keys/values to it (no communication) and offsets the step's positions
+        by ``cache.length``. Serial and 1D/2D/2.5D/3D."""
+        if self.is_pipelined:
+            raise NotImplementedError('KV-cached decoding is not implemented under pipeline '
+                                      'parallelism; load the weights into a tensor layout')
+        if current_mode() == 'sequence':
+            raise NotImplementedError('KV-cached decoding is not implemented under sequence '
+                                      'parallelism (a decoding step of one token cannot be '
+                                      'split along the sequence); use a tensor mode')
+        return KVCache(self.stage_spec().layers)
+
+    @staticmethod
+    def check_last_only(last_only: bool):
+        if last_only and current_mode() == 'sequence':
+            raise NotImplementedError('last_only is not implemented under sequence parallelism '
+                                      '(the last position lives on the last sequence rank)')

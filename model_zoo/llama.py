@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import colossal_lite.nn as col_nn
-from colossal_lite.nn.registry import current_mode
 from colossal_lite.nn.rotary import (apply_rotary, check_rope_scaling, rope_frequencies,
                                      rotary_tables)
 from colossal_lite.pipeline.stages import parameter_weights
@@ -24,7 +23,7 @@ from colossal_lite.tensor import init_by_name
 
 from .blocks import StagedTransformer, checkpointed_blocks, normal_init, preset_config, zeros_init
 from .hf import HFConvertible, constructor_args
-from .kv_cache import KVCache
+from .kv_cache import CachedDecoding, KVCache
 
 _LLAMA3 = dict(vocab_size=128256, max_positions=131072, rope_theta=500000.0, eps=1e-5)
 
@@ -126,7 +125,7 @@ def llama_block_params(hidden: int, heads: int, kv_heads: int, head_dim: int,
     return qkv + heads * head_dim * hidden + 3 * hidden * intermediate + 2 * hidden
 
 
-class Llama(HFConvertible, StagedTransformer):
+class Llama(CachedDecoding, HFConvertible, StagedTransformer):
     """``Llama(...)(input_ids [b, s]) -> logits`` (vocab-split under tensor parallelism;
     ``colossal_lite.nn.gather_logits`` gives the full ``[b, s, V]``).
 
@@ -187,28 +186,13 @@ class Llama(HFConvertible, StagedTransformer):
     def from_preset(cls, name: str, **overrides) -> 'Llama':
         return cls(**preset_config(LLAMA_PRESETS, name, overrides, 'Llama'))
 
-    def new_kv_cache(self) -> KVCache:
-        """An empty cache for incremental decoding (``model_zoo/kv_cache.py``): it holds the
-        rotated local keys and the values of each layer -- ``n_kv`` heads, so a GQA cache is
-        ``n / n_kv`` times smaller than the queries'. Serial and 1D/2D/2.5D/3D."""
-        if self.is_pipelined:
-            raise NotImplementedError('KV-cached decoding is not implemented under pipeline '
-                                      'parallelism; load the weights into a tensor layout')
-        if current_mode() == 'sequence':
-            raise NotImplementedError('KV-cached decoding is not implemented under sequence '
-                                      'parallelism (a decoding step of one token cannot be '
-                                      'split along the sequence); use a tensor mode')
-        return KVCache(self.stage_spec().layers)
-
     def forward(self, input_ids: torch.Tensor, stage_input: torch.Tensor = None,
                 stage: int = None, kv_cache: KVCache = None, last_only: bool = False,
                 position_ids: torch.Tensor = None) -> torch.Tensor:
         """``position_ids [b, s]`` (default ``0 .. s-1`` after the cached tokens) place the
         rotary angles; ``kv_cache``: see :meth:`new_kv_cache`; ``last_only``: the logits of
         the last position only, ``[b, 1, V]``."""
-        if last_only and current_mode() == 'sequence':
-            raise NotImplementedError('last_only is not implemented under sequence parallelism '
-                                      '(the last position lives on the last sequence rank)')
+        self.check_last_only(last_only)
         spec = self.stage_spec(stage)
         x = self.stage_start(spec, stage_input)
         if position_ids is None:

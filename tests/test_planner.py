@@ -83,6 +83,24 @@ _LAYOUTS = [({}, 1), (dict(tensor=dict(size=4, mode='1d')), 4),
 _MODELS = [('gpt', 'gpt2-small', GPT), ('bert', 'bert-base', BERT), ('vit', 'vit-base', ViT)]
 
 
+def check_rank_params(shape, layout, build):
+    """For the first and last rank of ``layout``: ``build()`` on meta under that rank's
+    described context holds the planner's parameter count (first / blocks / last part of
+    its pipeline stage); yields each count."""
+    p, world = layout.pipeline, layout.world_size
+    block, first, last = part_params(shape, layout, p > 1)
+    ranges = uniform_cut(shape.layers, p)
+    for rank in sorted({0, world - 1}):
+        stage = rank // (world // p)
+        want = len(ranges[stage]) * block + (first if stage == 0 else 0) \
+            + (last if stage == p - 1 else 0)
+        with use_context(ParallelContext.describe(layout, rank)), torch.device('meta'):
+            model = build()
+        got = sum(t.numel() for t in {id(t): t for t in model.parameters()}.values())
+        assert got == want, (layout, rank)
+        yield got
+
+
 @pytest.mark.parametrize('kind,preset,cls', _MODELS)
 def test_parameter_counts_equal_meta_build(kind, preset, cls):
     shape = model_shape(kind, preset)
@@ -90,17 +108,7 @@ def test_parameter_counts_equal_meta_build(kind, preset, cls):
         layout = parse_parallel(parallel).with_world_size(world)
         if kind == 'vit' and layout.mode == 'sequence':
             continue  # 197 tokens do not split in 2 (check_layout rejects it)
-        p = layout.pipeline
-        block, first, last = part_params(shape, layout, p > 1)
-        ranges = uniform_cut(shape.layers, p)
-        for rank in sorted({0, world - 1}):
-            stage = rank // (world // p)
-            want = len(ranges[stage]) * block + (first if stage == 0 else 0) \
-                + (last if stage == p - 1 else 0)
-            with use_context(ParallelContext.describe(layout, rank)), torch.device('meta'):
-                model = cls.from_preset(preset)
-            got = sum(t.numel() for t in {id(t): t for t in model.parameters()}.values())
-            assert got == want, (parallel, rank)
+        for got in check_rank_params(shape, layout, lambda: cls.from_preset(preset)):
             # model states by ZeRO stage (docs/zero.md, fp32 Adam): 16 bytes per element
             assert model_state_bytes(got, 0, 4) == 16 * got
             assert model_state_bytes(got, 3, 4) == 4 * got

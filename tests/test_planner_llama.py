@@ -19,17 +19,15 @@ import torch
 
 import model_zoo  # noqa: F401  (registers llama)
 from colossal_lite.auto import load_profile, plan
-from colossal_lite.auto.cost import Candidate, evaluate, part_params
+from colossal_lite.auto.cost import Candidate, evaluate
 from colossal_lite.auto.model_spec import kv_replicated, model_shape
 from colossal_lite.auto.search import job_spec, layouts
 from colossal_lite.communication import comm_profile
 from colossal_lite.config import ConfigError, ParallelLayout, parse_parallel
-from colossal_lite.context import ParallelContext, use_context
 from colossal_lite.job import check_layout
-from colossal_lite.pipeline.partition import uniform_cut
 from colossal_lite.testing import run_distributed
 from model_zoo import Llama
-from tests.test_planner import _saved_bytes
+from tests.test_planner import _saved_bytes, check_rank_params
 from tests.test_planner_memory import _l, check_peak_memory
 
 OPTS = dict(vocab_size=256, max_positions=16, hidden=32, layers=2, heads=4, kv_heads=2,
@@ -58,17 +56,8 @@ def test_parameter_counts_equal_meta_build(preset):
     for parallel, world in _LAYOUTS[preset]:
         layout = parse_parallel(parallel).with_world_size(world)
         replicated += kv_replicated(layout.mode, layout.tensor, shape.kv_heads)
-        p = layout.pipeline
-        block, first, last = part_params(shape, layout, p > 1)
-        ranges = uniform_cut(shape.layers, p)
-        for rank in sorted({0, world - 1}):
-            stage = rank // (world // p)
-            want = len(ranges[stage]) * block + (first if stage == 0 else 0) \
-                + (last if stage == p - 1 else 0)
-            with use_context(ParallelContext.describe(layout, rank)), torch.device('meta'):
-                model = Llama.from_preset(preset)
-            got = sum(t.numel() for t in {id(t): t for t in model.parameters()}.values())
-            assert got == want, (parallel, rank)
+        for _ in check_rank_params(shape, layout, lambda: Llama.from_preset(preset)):
+            pass
     assert replicated == 1   # one layout per preset replicates the kv heads
 
 
