@@ -117,9 +117,10 @@ def ring_attention_bytes(p: int, b: int, s: int, h: int, elem: int = 4) -> int:
 
 
 def ring_attention_saved_bytes(p: int, b: int, s: int, h: int, n: int, elem: int = 4) -> int:
-    """Activations one ring attention saves for backward (no mask, no dropout):
-    q, k, v in head layout (3 b s/P h) and the probabilities b n s/P s."""
-    return (3 * b * (s // p) * h + b * n * (s // p) * s) * elem
+    """Activations one (memory-linear) ring attention saves for backward, multi-head, no
+    mask, no dropout: q, k, v and the output ``[b, s/P, h]``, and the fp32 log-sum-exp
+    ``[b, n, s/P]`` -- linear in s/P (``nn/sequence/ring.py``)."""
+    return 4 * b * (s // p) * h * elem + b * n * (s // p) * 4
 
 
 def block_bytes(mode: Optional[str], p: int, b: int, s: int, h: int, mlp_ratio: int = 4,

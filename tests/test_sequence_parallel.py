@@ -13,7 +13,7 @@ import torch
 from colossal_lite.communication import comm_profile
 from colossal_lite.context import ParallelMode, global_context as gpc
 from colossal_lite.nn.functional import attention
-from colossal_lite.formulas import ring_attention_bytes
+from colossal_lite.formulas import ring_attention_bytes, ring_attention_saved_bytes
 from colossal_lite.testing import assert_matches_serial, max_rel_diff, run_distributed
 
 from tests.model_cases import rank_traces, serial_traces
@@ -27,12 +27,6 @@ def seq_config(p, zigzag=None):
     if zigzag is not None:
         tensor['zigzag'] = zigzag
     return dict(parallel=dict(tensor=tensor))
-
-
-def ring_saved_bytes(p, b, s, h, n, elem=4):
-    """What the ring attention saves for backward (no mask, no dropout): q, k, v and the
-    output ``[b, s/P, h]``, and the fp32 log-sum-exp ``[b, n, s/P]`` -- linear in s/P."""
-    return 4 * b * (s // p) * h * elem + b * n * (s // p) * 4
 
 
 def saved_tensor_bytes(fn):
@@ -112,7 +106,7 @@ def test_ring_attention_bytes_equal_formula(ring_results):
 
 def test_ring_attention_saved_activations_equal_formula(ring_results):
     for res in ring_results:
-        assert res['plain']['saved'] == ring_saved_bytes(4, B, S, H, HEADS)
+        assert res['plain']['saved'] == ring_attention_saved_bytes(4, B, S, H, HEADS)
 
 
 def test_dropout_masks_independent_per_sequence_rank(ring_results):

@@ -48,7 +48,7 @@ class SequenceLayout:
         launched ``parallel.tensor.zigzag`` setting (default True)."""
         axis = axis or sequence_axis()
         layout = current_context().layout
-        return SequenceLayout(axis, bool(getattr(layout, 'zigzag', True)))
+        return SequenceLayout(axis, True if layout is None else layout.zigzag)
 
     # ------------------------------------------------------------ chunks
     @property
