@@ -123,6 +123,19 @@ def ring_attention_saved_bytes(p: int, b: int, s: int, h: int, n: int, elem: int
     return 4 * b * (s // p) * h * elem + b * n * (s // p) * 4
 
 
+def ulysses_attention_bytes(p: int, u: int, b: int, s: int, heads: int, kv_heads: int,
+                            head_dim: int, elem: int = 4) -> int:
+    """One Ulysses attention forward + backward over P = R x U ranks, all_to_all buffer
+    bytes per rank over ULYSSES (each moves (U-1)/U of it): q and the output ``[b, s/P, n d]``
+    and the stacked k, v ``[2, b, s/P, n' d]`` (n' = max(n_kv, U): fewer kv heads are
+    repeated to U), forward and again backward (``nn/sequence/ulysses.py``). A ring of
+    R > 1 adds ``ring_attention_bytes(R, b, s, (n'/U) d)`` over SEQUENCE_RING."""
+    if u == 1:
+        return 0
+    kv = kv_heads if kv_heads % u == 0 else u
+    return 2 * b * (s // p) * (2 * heads + 2 * kv) * head_dim * elem
+
+
 def block_bytes(mode: Optional[str], p: int, b: int, s: int, h: int, mlp_ratio: int = 4,
                 d: int = 1, elem: int = 4) -> float:
     """One pre/post-LN transformer block (fused q/k/v h->3h, dense h->h; fc1 h->r h; fc2 r h->h; two

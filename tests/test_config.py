@@ -13,7 +13,7 @@ BAD_CONFIGS = [
     (dict(parallel=dict(tensor=dict(size=12, mode='2.5d', depth=2))), 'got size=12, depth=2'),
     (dict(parallel=dict(tensor=dict(size=4, mode='2d', depth=2))), "applies only to mode '2.5d'"),
     (dict(parallel=dict(tensor=dict(size=2, mode='1d', zigzag=True))),
-     "'parallel.tensor.zigzag' applies only to mode 'sequence'"),
+     "'parallel.tensor.zigzag' applies only to the ring of modes"),
     (dict(parallel=dict(tensor=dict(size=2, mode='sequence', zigzag='yes'))),
      "'parallel.tensor.zigzag' must be True or False, got 'yes'"),
     (dict(parallel=dict(tensor=dict(size=4, mode='4d'))), "got '4d'"),

@@ -9,13 +9,15 @@ split_to               keep own chunk of ``dim``   all_gather ``dim``
 gather_from            all_gather ``dim``          keep own chunk of ``dim``
 all_gather_to          all_gather ``dim``          reduce_scatter ``dim``
 reduce_scatter_to      reduce_scatter ``dim``      all_gather ``dim``
+all_to_all_to          all_to_all ``s`` -> ``g``   all_to_all ``g`` -> ``s``
 =====================  ==========================  ===========================
 
 ``copy_to``/``reduce_from`` bracket a region where a replicated input feeds
 partial computations; ``split_to``/``gather_from`` move between a replicated
 tensor and its shards when every rank computes the same thing downstream;
 ``all_gather_to``/``reduce_scatter_to`` are the pair for sharded operands
-whose products are partial sums (3D, sequence).
+whose products are partial sums (3D, sequence); ``all_to_all_to`` re-splits a tensor
+from one dimension to another (Ulysses: sequence-split to head-split and back).
 """
 from __future__ import annotations
 
@@ -93,6 +95,18 @@ class _ReduceScatterTo(torch.autograd.Function):
         return C.all_gather(grad, ctx.axis, ctx.dim), None, None
 
 
+class _AllToAllTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, scatter_dim, gather_dim):
+        ctx.axis, ctx.dims = axis, (scatter_dim, gather_dim)
+        return C.all_to_all(x, axis, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return C.all_to_all(grad, ctx.axis, gather_dim, scatter_dim), None, None, None
+
+
 def _skip(axis: AxisLike):
     ax = resolve(axis)
     return ax, ax.size == 1
@@ -134,3 +148,12 @@ def reduce_scatter_to(x: torch.Tensor, axis: AxisLike, dim: int) -> torch.Tensor
     """Reduce-scatter along ``dim`` forward; all-gather of the gradient backward."""
     ax, trivial = _skip(axis)
     return x if trivial else _ReduceScatterTo.apply(x, ax, dim)
+
+
+def all_to_all_to(x: torch.Tensor, axis: AxisLike, scatter_dim: int, gather_dim: int
+                  ) -> torch.Tensor:
+    """``scatter_dim`` cut in group-size chunks, chunk r sent to rank r, the received chunks
+    concatenated along ``gather_dim`` (in rank order) forward; the inverse all_to_all of the
+    gradient backward."""
+    ax, trivial = _skip(axis)
+    return x if trivial else _AllToAllTo.apply(x, ax, scatter_dim, gather_dim)

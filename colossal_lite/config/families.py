@@ -1,7 +1,7 @@
 """What each tensor-parallel family knows about itself, in one registry.
 
 A :class:`TensorFamily` describes one tensor mode (``None`` = serial / pure data
-parallelism, '1d', '2d', '2.5d', '3d', 'sequence') without touching a process:
+parallelism, '1d', '2d', '2.5d', '3d', 'sequence', 'ulysses') without touching a process:
 
 * its tensor sub-axes (how the tensor axis of the rank grid unfolds) and the
   process groups it needs, each named by the sub-axes that vary inside it;
@@ -17,6 +17,7 @@ per-mode table.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
@@ -40,6 +41,9 @@ class TensorFamily:
     vocab_split: Sizes = lambda layout: 1
     sequence_split: Sizes = lambda layout: 1
     replicates: Tuple[str, ...] = ()   # splits whose too-few items it replicates per group
+    # weights replicated, activations split along the sequence over the whole tensor axis
+    # (SEQUENCE); every parameter gradient is summed over SEQUENCE_DP = data x tensor
+    splits_sequence: bool = False
     description: str = ''
 
     @property
@@ -50,11 +54,19 @@ class TensorFamily:
 class _UnitLayout:
     """Stand-in layout of size 1 everywhere, to read a family's axis names."""
 
-    tensor = depth = tensor_grid = 1
+    tensor = depth = tensor_grid = ring = 1
 
 
 def _grid(layout) -> int:
     return layout.tensor_grid
+
+
+def _sequence_split(layout) -> int:
+    """What the sequence length must divide by: the ring's chunks (2R under zigzag, else R)
+    and the P ranks that each hold ``s/P`` of them."""
+    ring = layout.ring_size
+    chunks = 2 * ring if layout.zigzag and ring > 1 else ring
+    return math.lcm(chunks, layout.tensor)
 
 
 _SERIAL_AXES = lambda layout: (('t', layout.tensor),)  # noqa: E731
@@ -98,9 +110,19 @@ FAMILIES: Dict[Optional[str], TensorFamily] = {f.mode: f for f in (
     TensorFamily('sequence', 'colossal_lite.nn.sequence', _SERIAL_AXES,
                  groups={PM.SEQUENCE: ('t',), PM.SEQUENCE_DP: ('data', 't')},
                  roles={'t': PM.SEQUENCE, 'dp': PM.SEQUENCE_DP},
-                 sequence_split=lambda l: l.tensor * (2 if l.zigzag
-                                                      and l.tensor > 1 else 1),
+                 sequence_split=_sequence_split, splits_sequence=True,
                  description='sequence parallelism: ring self-attention over t sub-sequences'),
+    TensorFamily('ulysses', 'colossal_lite.nn.sequence',
+                 lambda l: (('ring', l.ring), ('ulysses', l.tensor // l.ring)),
+                 groups={PM.SEQUENCE: ('ring', 'ulysses'),
+                         PM.SEQUENCE_DP: ('data', 'ring', 'ulysses'),
+                         PM.ULYSSES: ('ulysses',), PM.SEQUENCE_RING: ('ring',)},
+                 roles={'t': PM.SEQUENCE, 'dp': PM.SEQUENCE_DP, 'ulysses': PM.ULYSSES,
+                        'ring': PM.SEQUENCE_RING},
+                 head_split=lambda l: l.tensor // l.ring, replicates=('head',),
+                 sequence_split=_sequence_split, splits_sequence=True,
+                 description='Ulysses: all-to-all from sequence to head split around attention '
+                             '(with ring=R: ring attention over R groups of it, USP)'),
 )}
 
 TENSOR_MODES = tuple(FAMILIES)

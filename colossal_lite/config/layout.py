@@ -11,7 +11,7 @@ from .checks import (ConfigError, check_keys, flag, integer_root, mapping, posit
 from .families import TENSOR_MODES
 
 PARALLEL_KEYS = ('data', 'pipeline', 'tensor', 'auto')
-TENSOR_KEYS = ('size', 'mode', 'depth', 'sequence_parallel', 'zigzag')
+TENSOR_KEYS = ('size', 'mode', 'depth', 'sequence_parallel', 'zigzag', 'ring')
 AUTO_KEYS = ('level', 'mesh', 'memory_gb')
 AUTO_LEVELS = ('fast', 'optimal')
 
@@ -25,9 +25,11 @@ class ParallelLayout:
     None until the world size is known (see :meth:`with_world_size`).
     ``sequence_parallel``: Megatron's sequence parallelism inside 1D tensor parallelism
     (activations outside the parallel regions split along the sequence).
-    ``zigzag`` (``parallel.tensor.zigzag``, mode 'sequence'; default True): SEQUENCE rank r
-    holds chunks r and 2P-1-r of 2P equal chunks (balanced causal attention) instead of
-    the contiguous block r (``nn/sequence/layout.py``).
+    ``zigzag`` (``parallel.tensor.zigzag``, modes 'sequence' and 'ulysses'; default True):
+    ring rank r holds chunks r and 2R-1-r of 2R equal chunks (balanced causal attention)
+    instead of the contiguous block r (``nn/sequence/layout.py``).
+    ``ring`` (``parallel.tensor.ring``, mode 'ulysses'; default 1): R, the ring degree of
+    the ring x Ulysses hybrid; Ulysses runs over ``tensor / R`` ranks inside each ring rank.
     """
 
     pipeline: int = 1
@@ -37,6 +39,18 @@ class ParallelLayout:
     data: Optional[int] = None
     sequence_parallel: bool = False
     zigzag: bool = True
+    ring: int = 1
+
+    @property
+    def ring_size(self) -> int:
+        """R: the ranks ring attention runs over (mode 'sequence': all of the tensor axis;
+        mode 'ulysses': ``parallel.tensor.ring``; 1 otherwise)."""
+        return self.tensor if self.mode == 'sequence' else self.ring
+
+    @property
+    def ulysses_size(self) -> int:
+        """U: the ranks Ulysses' all-to-all runs over (mode 'ulysses': tensor / R; else 1)."""
+        return self.tensor // self.ring if self.mode == 'ulysses' else 1
 
     @property
     def tensor_grid(self) -> int:
@@ -130,12 +144,32 @@ def parse_parallel(parallel: Optional[Mapping]) -> ParallelLayout:
                           f"sequence parallelism inside 1D tensor parallelism), got mode {mode!r}; "
                           f"mode 'sequence' splits the sequence on its own")
     zigzag = tensor.get('zigzag', None)
-    if zigzag is not None and mode != 'sequence':
-        raise ConfigError(f"'parallel.tensor.zigzag' applies only to mode 'sequence', "
-                          f"got zigzag={zigzag!r} with mode {mode!r}")
+    if zigzag is not None and mode not in RING_MODES:
+        raise ConfigError(f"'parallel.tensor.zigzag' applies only to the ring of modes "
+                          f"{list(RING_MODES)}, got zigzag={zigzag!r} with mode {mode!r}")
     zigzag = True if zigzag is None else flag(zigzag, 'parallel.tensor.zigzag')
     return ParallelLayout(pipeline=pipeline, tensor=size, mode=mode, depth=depth or 1, data=data,
-                          sequence_parallel=sequence_parallel, zigzag=zigzag)
+                          sequence_parallel=sequence_parallel, zigzag=zigzag,
+                          ring=parse_ring(tensor, mode, size))
+
+
+RING_MODES = ('sequence', 'ulysses')
+
+
+def parse_ring(tensor: Mapping, mode: Optional[str], size: int) -> int:
+    """``parallel.tensor.ring`` (mode 'ulysses' only): R dividing the tensor size."""
+    ring = tensor.get('ring', None)
+    if ring is None:
+        return 1
+    if mode != 'ulysses':
+        raise ConfigError(f"'parallel.tensor.ring' applies only to mode 'ulysses' (the ring "
+                          f"degree of the ring x Ulysses hybrid), got ring={ring!r} with mode "
+                          f"{mode!r}; mode 'sequence' runs the ring over all its ranks")
+    ring = positive_int(ring, 'parallel.tensor.ring')
+    if size % ring:
+        raise ConfigError(f"'parallel.tensor.ring' = {ring} must divide 'parallel.tensor.size' "
+                          f"= {size} (Ulysses runs over size / ring ranks)")
+    return ring
 
 
 def parse_auto(parallel: Optional[Mapping]) -> Optional[AutoSettings]:

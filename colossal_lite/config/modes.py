@@ -21,6 +21,10 @@ class ParallelMode(Enum):
     # sequence parallelism: SEQUENCE is the tensor axis, SEQUENCE_DP = data x sequence
     SEQUENCE = 'sequence'
     SEQUENCE_DP = 'sequence_dp'
+    # mode 'ulysses': the SEQUENCE group is ring x ulysses; all-to-all inside ULYSSES (inner,
+    # consecutive ranks), ring attention over SEQUENCE_RING (one rank per ULYSSES group)
+    ULYSSES = 'ulysses'
+    SEQUENCE_RING = 'sequence_ring'
 
     PARALLEL_1D = '1d'
 

@@ -21,14 +21,16 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..communication import collective as C
+from ..config.families import family
 from ..context import ParallelMode, ProcessGroupAxis, global_context as gpc
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def data_parallel_axis() -> ProcessGroupAxis:
-    """The group over which gradients are summed: SEQUENCE_DP in sequence mode, else DATA."""
-    if gpc.tensor_mode == 'sequence':
+    """The group over which gradients are summed: SEQUENCE_DP where the tensor family splits
+    the sequence (modes 'sequence', 'ulysses'), else DATA."""
+    if family(gpc.tensor_mode).splits_sequence:
         return gpc.axis(ParallelMode.SEQUENCE_DP)
     return gpc.axis(ParallelMode.DATA)
 

@@ -55,7 +55,7 @@ def _replication(cuts: Tuple) -> Tuple[Tuple[ParallelMode, ...], Tuple[ParallelM
     single = [m for m, varying in fam.groups.items() if len(varying) == 1]
     replicated = [m for m in [ParallelMode.DATA] + single
                   if ctx.axis(m).size > 1 and not set(axes[m]) & cut_axes]
-    grad_mode = ParallelMode.SEQUENCE_DP if layout.mode == 'sequence' else ParallelMode.DATA
+    grad_mode = ParallelMode.SEQUENCE_DP if fam.splits_sequence else ParallelMode.DATA
     grad_sum = (grad_mode,) if ctx.axis(grad_mode).size > 1 else ()
     return tuple(replicated), grad_sum
 
