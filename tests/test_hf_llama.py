@@ -1,6 +1,7 @@
 """Hugging Face Llama, Mistral and Qwen2 <-> model_zoo Llama: after ``Llama.from_hf`` our
 logits equal transformers' own (fp32, within 1e-5 of scale) serially and in 1D (t=2: the
-kv heads split; t=4: 2 kv heads replicated), 2D, 3D, sequence and pipeline layouts;
+kv heads split; t=4: 2 kv heads replicated), 2D, 3D, sequence, ring x Ulysses and
+pipeline layouts;
 ``save_hf`` from 1D t=2 writes a directory transformers reloads with the same logits;
 greedy generation (``colossal_lite.generation``) gives transformers' ``generate`` tokens;
 each config field ours cannot represent raises a ValueError naming it.
@@ -214,7 +215,8 @@ def test_1d_t2_splits_the_kv_heads_saves_hf_and_generates_greedily(tmp_path):
     (4, dict(size=4, mode='1d'), PADDED),   # 2 kv heads < 4 ranks: replicated per group
     (4, dict(size=4, mode='2d'), PADDED),
     (2, dict(size=2, mode='sequence'), V),  # the sequence is split, the vocabulary is not
-], ids=['1d-t4', '2d', 'sequence'])
+    (4, dict(size=4, mode='ulysses', ring=2), V),   # ring x Ulysses: heads split over 2
+], ids=['1d-t4', '2d', 'sequence', 'ring2xulysses2'])
 def test_tensor_and_sequence_modes_equal_transformers(world, tensor, padded):
     _check_layout(world, dict(tensor=tensor), padded=padded)
 
