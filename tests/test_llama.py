@@ -138,7 +138,8 @@ def _merged(states):
 @pytest.mark.parametrize('src,src_world,dst,dst_world', [
     (TP(4), 4, dict(tensor=dict(size=4, mode='2d')), 4),   # kv replicated -> 2D
     (TP(2), 2, dict(tensor=dict(size=8, mode='3d')), 8),   # kv split -> 3D
-], ids=['tp4-to-2d', 'tp2-to-3d'])
+    (dict(tensor=dict(size=4, mode='ulysses', ring=2)), 4, TP(4), 4),   # replicated -> 1D
+], ids=['tp4-to-2d', 'tp2-to-3d', 'ring2xulysses2-to-tp4'])
 def test_checkpoint_reshards_between_layouts(tmp_path, src, src_world, dst, dst_world):
     path = str(tmp_path / 'ckpt')
     saved = _merged(run_distributed(_save, src_world, dict(parallel=src), path))
