@@ -1,5 +1,5 @@
 """The colossal-lite command: colossal-lite train CONFIG [--nproc N] [--steps S] [--resume DIR]
-[--max-restarts N].
+[--max-restarts N] [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id ID]].
 
 ``train`` checks the config, that N processes fit its parallel layout and that the
 model splits over it (a build on the meta device) in the calling process, prepares the
@@ -22,6 +22,12 @@ failed group up to N times, each restart continuing from the last complete check
 ``checkpoint.path`` (``colossal_lite/run_state.py``). At the end rank 0 writes
 ``metrics.jsonl`` and ``loss.png`` (with matplotlib) into ``train.run_dir``. Without
 installing the package: ``python -m colossal_lite.cli train CONFIG``.
+
+On several nodes the command runs once per node with the same ``--nnodes``,
+``--rdzv-endpoint`` (node 0's address) and ``--rdzv-id``, and its own ``--node-rank``
+(or SLURM's variables: ``launcher/nodes.py``); the agents meet in torch's c10d rendezvous
+and node R holds ranks R*N .. R*N+N-1 (``launcher/rendezvous.py``); the world size is
+nnodes x N.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from .commands import add_parsers
 from .config import ConfigError, load_config
 from .job import check_data, check_layout, check_paths, prepare_data
 from .launcher import run_workers
+from .launcher.nodes import add_node_arguments, nodes_from_args
 from .run_state import saved_step
 from .worker import worker_main
 
@@ -57,13 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument('--max-restarts', type=int, default=0, metavar='N',
                        help='restart a failed group up to N times, each from the last complete '
                             "checkpoint in the config's checkpoint.path (default 0)")
+    add_node_arguments(train)
     train.set_defaults(run=train_command)
     add_parsers(sub)
     return parser
 
 
 def check_job(config_path: str, nproc: int, steps: Optional[int], resume: Optional[str] = None,
-              max_restarts: int = 0):
+              max_restarts: int = 0, nnodes: int = 1):
     """Every check that can fail before a process starts: the config's typed sections
     (``load_config``: each section checked once, ZeRO's unsupported combinations included),
     the layout vs ``nproc``, the job's data (``job.check_data``), the job vs the layout and
@@ -71,12 +79,12 @@ def check_job(config_path: str, nproc: int, steps: Optional[int], resume: Option
     model on the meta device, cut as the run cuts it), the directories the run writes
     (``job.check_paths``), the ``--resume`` checkpoint (complete, steps left) and
     ``--max-restarts`` (a restart resumes from ``checkpoint.path``), then the data prepared
-    once (``job.prepare_data``: for ``hf`` the tokenizer and the packed blocks). Returns
-    ``(settings, layout, spec)``."""
+    once (``job.prepare_data``: for ``hf`` the tokenizer and the packed blocks). The world
+    is ``nnodes`` x ``nproc`` processes. Returns ``(settings, layout, spec)``."""
     if nproc < 1:
         raise ConfigError(f'--nproc must be a positive integer, got {nproc}')
     settings = load_config(config_path).settings
-    layout = _with_nproc(settings.layout, nproc)
+    layout = _with_nproc(settings.layout, nproc, nnodes)
     spec = check_data(settings.job.with_steps(steps))
     check_layout(spec, layout, settings.pipeline)
     check_paths(spec)
@@ -95,15 +103,22 @@ def _check_resume(spec, resume: Optional[str], max_restarts: int):
                               f'the {total} steps of this job (raise --steps or train.steps)')
 
 
-def _with_nproc(layout, nproc: int):
-    """``layout.with_world_size(nproc)``; its error suggests the ``--nproc`` that fits."""
+def _with_nproc(layout, nproc: int, nnodes: int = 1):
+    """``layout.with_world_size(nnodes * nproc)``; its error suggests the ``--nproc`` that
+    fits."""
+    world = nnodes * nproc
     try:
-        return layout.with_world_size(nproc)
+        return layout.with_world_size(world)
     except ConfigError as err:
         need = layout.pipeline * layout.tensor * (layout.data or 1)
         if layout.data is None:
-            need *= max(1, round(nproc / need))
-        raise ConfigError(f'{err}: run with --nproc {need}') from None
+            need *= max(1, round(world / need))
+        if nnodes == 1:
+            raise ConfigError(f'{err}: run with --nproc {need}') from None
+        hint = (f'run with --nproc {need // nnodes}' if need % nnodes == 0 else
+                f'no --nproc fits --nnodes {nnodes}')
+        raise ConfigError(f'{err} (--nnodes {nnodes} x --nproc {nproc}): {hint} (a world size '
+                          f'of {need})') from None
 
 
 def train_command(args, entrypoint=None) -> int:
@@ -114,19 +129,25 @@ def train_command(args, entrypoint=None) -> int:
         resume = getattr(args, 'resume', None)
         resume = os.path.abspath(resume) if resume else None
         restarts = getattr(args, 'max_restarts', 0)
-        _, layout, spec = check_job(args.config, args.nproc, args.steps, resume, restarts)
+        nodes = nodes_from_args(args)
+        _, layout, spec = check_job(args.config, args.nproc, args.steps, resume, restarts,
+                                    nodes.nnodes)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f'colossal-lite: bad config {args.config}: {exc}', file=sys.stderr)
         return 2
     except NotImplementedError as exc:
         print(f'colossal-lite: not supported yet by {args.config}: {exc}', file=sys.stderr)
         return 2
-    print(f'colossal-lite: {spec.kind} on {args.nproc} process(es), layout data={layout.data} '
+    on = (f'{args.nproc} process(es)' if nodes.nnodes == 1 else
+          f'{nodes.nnodes} node(s) x {args.nproc} process(es)')
+    print(f'colossal-lite: {spec.kind} on {on}, layout data={layout.data} '
           f'pipeline={layout.pipeline} tensor={layout.tensor} ({layout.mode or "none"})', flush=True)
+    if nodes.nnodes > 1:
+        print(f'colossal-lite: {nodes.describe()}', flush=True)
     entrypoint = entrypoint or worker_main
     entry_args = (os.path.abspath(args.config), args.steps) + ((resume,) if resume else ())
     return run_workers(args.nproc, args.port, entrypoint, *entry_args, what='training',
-                       max_restarts=restarts)
+                       max_restarts=restarts, nodes=nodes)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -27,7 +27,7 @@ from typing import List, Optional
 
 import colossal_lite.checkpoint as checkpoint
 
-from .checkpoint.io import COMMON
+from .checkpoint.files import COMMON, complete_dir, read, resolve
 from .checkpoint.job import job_extra
 from .context import global_context as gpc
 from .trainer import hooks as H
@@ -36,12 +36,18 @@ KILL_ENV = 'COLOSSAL_LITE_TEST_KILL'
 
 
 def restart_count() -> int:
-    """How many times the elastic agent has restarted this worker group (0: first attempt)."""
-    return int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
+    """How many times the elastic agent has restarted this worker group (0: first attempt):
+    under ``colossal_lite.launcher`` the count every node agreed on (``COLOSSAL_LITE_ATTEMPT``,
+    ``launcher/rendezvous.py``: a node restarted because another failed counts it too),
+    else torch's own ``TORCHELASTIC_RESTART_COUNT`` (torchrun)."""
+    return int(os.environ.get('COLOSSAL_LITE_ATTEMPT')
+               or os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
 
 
 def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, COMMON))
+    """Whether ``path`` holds a complete checkpoint (also one a crash during a save's commit
+    left at ``path.old-<uuid>``, which ``checkpoint.load`` then reads)."""
+    return complete_dir(path) is not None
 
 
 def resume_dir(spec, resume: Optional[str]) -> Optional[str]:
@@ -53,11 +59,12 @@ def resume_dir(spec, resume: Optional[str]) -> Optional[str]:
 
 
 def saved_step(path: str) -> int:
-    """The global step a complete checkpoint was saved at (no collective)."""
-    import torch
-    if not is_complete(path):
-        raise FileNotFoundError(f'{path} is not a complete checkpoint (no {COMMON})')
-    return torch.load(os.path.join(path, COMMON), weights_only=False)['global_step']
+    """The global step a complete checkpoint was saved at (read as data; no collective)."""
+    file = os.path.join(resolve(path), COMMON)
+    common = read(file)
+    if not isinstance(common, dict) or not isinstance(common.get('global_step'), int):
+        raise ValueError(f'{file} is not the common state of a checkpoint (no global step)')
+    return common['global_step']
 
 
 def resume(spec, engine, lr_scheduler, train_loader, resume_from: Optional[str]) -> int:

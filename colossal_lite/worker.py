@@ -2,8 +2,9 @@
 job of the config (``colossal_lite/job/``), train it through ``initialize`` + ``Trainer``,
 and print the report on rank 0.
 
-Printed on rank 0: the loss (mean over data-parallel replicas) every ``train.log_every``
-steps, the throughput (tokens/s for GPT, samples/s for ViT, global), the peak memory
+Printed on rank 0: the world (``world size W on N node(s) x K process(es): node R holds
+ranks R*K..R*K+K-1``, gathered from each rank's agent), the loss (mean over data-parallel
+replicas) every ``train.log_every`` steps, the throughput (tokens/s for GPT, samples/s for ViT, global), the peak memory
 of every rank (peak RSS on CPU, max allocated on CUDA), the bytes every rank sent
 into collectives per ParallelMode during training (buffer bytes as counted by
 ``colossal_lite.communication``, summed over ranks; the few bytes of the metric
@@ -208,6 +209,28 @@ class _limited:
             yield batch
 
 
+def _nodes_of_ranks() -> list:
+    """The node (the elastic agent's ``GROUP_RANK``) of every global rank; one GLOBAL
+    all_gather, before the byte counter is reset."""
+    node = int(os.environ.get('GROUP_RANK', '0'))
+    mine = torch.tensor([node], dtype=torch.int64, device=gpc.device)
+    return all_gather(mine, ParallelMode.GLOBAL).cpu().tolist()
+
+
+def world_line(nodes: list) -> str:
+    """``world size W on N node(s) ...``: which ranks each node holds (``nodes[r]``: the
+    node of rank r), in one phrase when node R holds ranks R*K .. R*K+K-1."""
+    world, count = len(nodes), len(set(nodes))
+    per = world // count
+    if nodes == [r // per for r in range(world)]:
+        held = (f'ranks 0..{world - 1}' if count == 1 else
+                f'node R holds ranks R*{per}..R*{per}+{per - 1}')
+        return f'world size {world} on {count} node(s) x {per} process(es): {held}'
+    held = ', '.join(f'node {n}: ranks {[r for r in range(world) if nodes[r] == n]}'
+                     for n in sorted(set(nodes)))
+    return f'world size {world} on {count} node(s): {held}'
+
+
 def launch_worker(cfg) -> None:
     """One thread per worker process, then ``launch_from_torch(cfg)`` with the config's
     backend (default: NCCL where CUDA is available, else gloo)."""
@@ -224,6 +247,7 @@ def worker_main(config_path: str, steps: Optional[int] = None, resume: Optional[
     spec = cfg.settings.job.with_steps(steps)
     launch_worker(cfg)
     try:
+        _print0(world_line(_nodes_of_ranks()))
         result = train(gpc.settings, spec, resume=resume, config_path=config_path)
         if gpc.get_global_rank() == 0:
             written = write_run_files(result['records'], spec.run_dir)

@@ -127,10 +127,11 @@ def test_pipeline_and_sequence_parallel_decoding_are_named_as_not_implemented():
     pipe = run_distributed(_rank_new_cache_error, 2,
                            dict(parallel=dict(pipeline=2), num_microbatches=2), timeout=120)
     assert all('under pipeline parallelism' in messages[0] for messages in pipe)
-    seq = run_distributed(_rank_new_cache_error, 2,
-                          dict(parallel=dict(tensor=dict(size=2, mode='sequence'))), True,
-                          timeout=120)
-    assert all('under sequence parallelism' in m for messages in seq for m in messages)
+    for mode in ('sequence', 'ulysses'):
+        seq = run_distributed(_rank_new_cache_error, 2,
+                              dict(parallel=dict(tensor=dict(size=2, mode=mode))), True,
+                              timeout=120)
+        assert all('under sequence parallelism' in m for messages in seq for m in messages)
 
 
 # ---------------------------------------------------------------------------- generate()
@@ -321,8 +322,8 @@ def test_generate_prints_the_same_text_serially_in_1d_and_2d(gpt_job, capfd):
     ckpt, _ = gpt_job
     outputs = {}
     for extra in ([], ['--nproc', '2'], ['--nproc', '4', '--tensor-mode', '2d']):
-        code, out, err = _cli(['generate', ckpt, '--prompt', 'MACBETH:', '--tokens', '30']
-                              + extra, capfd)  # 8 + 30 tokens: past max_positions 32
+        code, out, err = _cli(['generate', ckpt, '--prompt', 'MACBETH:', '--tokens', '30',
+                               '--greedy'] + extra, capfd)  # 8 + 30 tokens: past max_positions 32
         assert code == 0, err
         outputs[' '.join(extra) or 'serial'] = out
     expected = _serial_generation(ckpt, 'MACBETH:', 30)
@@ -335,6 +336,25 @@ def test_generate_prints_the_same_text_serially_in_1d_and_2d(gpt_job, capfd):
         assert code == 0, err
         sampled[' '.join(extra) or 'serial'] = out
     assert len(set(sampled.values())) == 1 and len(set(out[8:20])) > 3, sampled
+
+
+def test_generate_samples_top_k_40_at_temperature_0_8_and_prints_a_seed_that_repeats_it(
+        gpt_job, capfd):
+    """No flags: top-k 40 / temperature 0.8 with a seed drawn at random and printed on stderr
+    (the text equals generate(...) with that seed in this process); --seed repeats it."""
+    from colossal_lite.data import ByteTokenizer
+    from colossal_lite.generation import generate
+    ckpt, _ = gpt_job
+    argv = ['generate', ckpt, '--prompt', 'MACBETH:', '--tokens', '12']
+    code, out, err = _cli(argv, capfd)
+    assert code == 0, err
+    seed = int(re.search(r'seed (\d+) \(top-k 40, temperature 0.8; --seed \1 gives this text '
+                         r'again\)', err).group(1))
+    tok = ByteTokenizer()
+    ids = generate(_loaded(ckpt), tok.encode('MACBETH:'), 12, top_k=40, temperature=0.8, seed=seed)
+    assert out == tok.decode(ids) + '\n'
+    code, again, err = _cli(argv + ['--seed', str(seed), '--nproc', '2'], capfd)
+    assert code == 0 and again == out and f'seed {seed} ' in err, err
 
 
 def _serial_generation(ckpt, prompt, tokens):
@@ -399,6 +419,8 @@ def test_export_writes_a_transformers_directory_with_our_logits(request, tmp_pat
     (['--nproc', '8'], 'cannot be split over 8 process\\(es\\) in tensor mode 1d'),
     (['--prompt', 'x' * 40], "a prompt of 40 tokens exceeds the model's max_positions 32"),
     (['--top-k', '0'], 'top_k must be a positive integer or None, got 0'),
+    (['--greedy', '--temperature', '0.5'], '--greedy picks the most likely token: it takes no '
+                                           '--temperature'),
 ])
 def test_bad_generate_arguments_exit_2_before_any_worker_starts(gpt_job, capfd, no_workers,
                                                                 argv, message):
@@ -440,7 +462,7 @@ def test_generate_encodes_with_the_bpe_tokenizer_of_an_hf_job(tmp_path, capfd):
     expected = tok.decode(_greedy_without_cache(_loaded(ckpt), torch.tensor([prompt]), 6)[0]
                           .tolist())
     for extra in ([], ['--nproc', '2']):
-        code, out, err = _cli(['generate', ckpt, '--prompt', 'MACBETH: So foul', '--tokens', '6']
-                              + extra, capfd)
+        code, out, err = _cli(['generate', ckpt, '--prompt', 'MACBETH: So foul', '--tokens', '6',
+                               '--greedy'] + extra, capfd)
         assert code == 0, err
         assert out == expected + '\n'

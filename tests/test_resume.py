@@ -181,7 +181,7 @@ def _resumed_equals_straight(tmp_path, layout, resume_layout=None):
     (straight losses, resumed losses per rank, straight final state, resumed final state)."""
     straight = _run(_job(tmp_path, 'straight', layout, tmp_path / 'a'), 8)
     first = _run(_job(tmp_path, 'first', layout, tmp_path / 'b'), 4)
-    assert torch.load(tmp_path / 'b' / 'common.pt', weights_only=False)['extra']['config_path'] \
+    assert torch.load(tmp_path / 'b' / 'common.pt', weights_only=True)['extra']['config_path'] \
         == str(tmp_path / 'first.py')                    # job_extra: the job rebuilds from it
     second = _job(tmp_path, 'second', resume_layout or layout, tmp_path / 'c')
     resumed = _run(second, 8, str(tmp_path / 'b'))

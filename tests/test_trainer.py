@@ -175,7 +175,7 @@ def _saved_model(kind, path):
     from colossal_lite import checkpoint
     model = build(kind)
     checkpoint.load_model(path, model)
-    common = torch.load(os.path.join(path, 'common.pt'), weights_only=False)
+    common = torch.load(os.path.join(path, 'common.pt'), weights_only=True)
     return model.state_dict(), common['global_step']
 
 

@@ -10,6 +10,10 @@ Directory (see docs/checkpoint.md)::
                                        ``extra``
       rng_<rank>.pt                    each rank: its CPU/CUDA and per-mode RNG states
 
+Everything in it is data (``files.py``): the side files hold only tensors and plain
+containers and are read with ``torch.load(weights_only=True)``, DCP's ``.metadata`` with an
+unpickler that knows only DCP's metadata classes; a file needing anything else is refused.
+
 Save: every rank describes its tensors (``state.sharded_tensor_state``: DTensor views of
 its shards over the layout's DeviceMesh; full tensors, gathered, where there is no view,
 e.g. ZeRO slices) and calls ``dcp.save`` into ``dir.tmp-<uuid>`` (the uuid broadcast
@@ -17,7 +21,8 @@ from rank 0 over GLOBAL); DCP's planner keeps one writer per distinct chunk, so 
 replicated over DATA (or a tied weight on two pipeline stages) is written once. After a
 barrier rank 0 renames the old ``dir`` aside, renames the new one to ``dir`` and deletes
 the old one; a final barrier ends the call. A crash before the rename leaves the
-previous ``dir`` untouched.
+previous ``dir`` untouched; one between the two renames leaves it at ``dir.old-<uuid>``,
+where :func:`load` (``files.complete_dir``) finds it and the next commit removes it.
 
 Load: every rank reads the index and asks DCP for its own keys (its stage's model keys
 and its parameters' optimizer slots) as DTensors with its own placements, so DCP reads
@@ -45,8 +50,7 @@ import colossal_lite.checkpoint.state as S
 from ..communication import collective as C
 from ..context import ParallelMode, current_context
 from ..tensor import layout_mesh
-
-COMMON = 'common.pt'
+from .files import COMMON, SafeReader, moved_aside, plain, read, resolve, rng_file, write
 
 
 def _distributed() -> bool:
@@ -94,13 +98,12 @@ def _check_dataloader(dataloader):
 
 
 def _commit(tmp: str, path: str) -> None:
-    """Rank 0: put the complete ``tmp`` at ``path``; the old checkpoint is removed last."""
-    old = None
+    """Rank 0: put the complete ``tmp`` at ``path``; the old checkpoint is removed last (with
+    any ``path.old-*`` an earlier crash between these two renames left)."""
     if os.path.exists(path):
-        old = f'{path}.old-{uuid.uuid4().hex}'
-        os.rename(path, old)
+        os.rename(path, f'{path}.old-{uuid.uuid4().hex}')
     os.rename(tmp, path)
-    if old is not None:
+    for old in moved_aside(path):
         shutil.rmtree(old)
 
 
@@ -189,6 +192,11 @@ def save(path: str, engine, lr_scheduler=None, dataloader=None, extra: Any = Non
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise FileNotFoundError(f'the checkpoint directory\'s parent {parent} does not exist')
+    # data only (files.plain), checked on every rank before any collective
+    common = plain(dict(S.side_state(engine, lr_scheduler), extra=extra,
+                        dataloader=None if dataloader is None else dataloader.state_dict(),
+                        layout=_layout_signature(),
+                        world_size=dist.get_world_size() if _distributed() else 1), COMMON)
     tmp = f'{path}.tmp-{_shared_token()}'
     views = _views()
     flat = S.tensor_state(engine) if views is None else S.sharded_tensor_state(engine, views)
@@ -202,13 +210,9 @@ def save(path: str, engine, lr_scheduler=None, dataloader=None, extra: Any = Non
                                 process_group=_async_group(), async_stager=_Staged())
     else:
         dcp.save(flat, storage_writer=writer)
-    torch.save(S.rng_state(), os.path.join(tmp, f'rng_{rank}.pt'))
+    write(S.rng_state(), os.path.join(tmp, rng_file(rank)))
     if rank == 0:
-        common = dict(S.side_state(engine, lr_scheduler), extra=extra,
-                      dataloader=None if dataloader is None else dataloader.state_dict(),
-                      layout=_layout_signature(),
-                      world_size=dist.get_world_size() if _distributed() else 1)
-        torch.save(common, os.path.join(tmp, COMMON))
+        write(common, os.path.join(tmp, COMMON))
     if not async_save:
         _finish(tmp, path)
         return None
@@ -222,7 +226,7 @@ def load_tensors(path: str, engine) -> None:
     as ``state.py`` reads them) from the complete checkpoint at ``path`` (collective): DTensor
     targets over the layout's mesh when launched, so DCP reads only the overlapping saved
     chunks; full tensors in a serial process without a process group."""
-    reader = dcp.FileSystemReader(path)
+    reader = SafeReader(path)  # the index read as data (files.py)
     saved = reader.read_metadata().state_dict_metadata
     views = _views()
     if views is None:
@@ -238,25 +242,29 @@ def load_tensors(path: str, engine) -> None:
 
 def load(path: str, engine, lr_scheduler=None, dataloader=None) -> Any:
     """Load the checkpoint at ``path`` into ``engine`` in its own layout (collective);
-    returns the ``extra`` given to :func:`save`."""
+    returns the ``extra`` given to :func:`save`. ``path`` may have been left at
+    ``path.old-<uuid>`` by a crash during a save's commit (``files.complete_dir``)."""
     wait()
     _check_dataloader(dataloader)
     S.check_supported(engine)
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isfile(os.path.join(path, COMMON)):
-        raise FileNotFoundError(f'{path} is not a complete checkpoint (no {COMMON})')
-    common = torch.load(os.path.join(path, COMMON), weights_only=False)
+    path = resolve(path)
+    common = read(os.path.join(path, COMMON))  # data only (files.py), before any collective
+    if not isinstance(common, dict) or not {'global_step', 'layout', 'world_size'} <= set(common):
+        raise ValueError(f'{os.path.join(path, COMMON)} is not the common state of a checkpoint')
     if dataloader is not None:  # before any collective: a position this loader cannot take
         if common.get('dataloader') is None:
             raise ValueError(f'{path} holds no data position (saved without dataloader=)')
         dataloader.check_state(common['dataloader'])
+    world = dist.get_world_size() if _distributed() else 1
+    rng_path = None  # RNG states only into the same layout (they depend on the rank's place)
+    if common['layout'] == _layout_signature() and common['world_size'] == world:
+        rng_path = os.path.join(path, rng_file(_rank()))
+        rng = read(rng_path)
     load_tensors(path, engine)
     S.load_side_state(engine, common, lr_scheduler)
     if dataloader is not None:
         dataloader.load_state_dict(common['dataloader'])
-    world = dist.get_world_size() if _distributed() else 1
-    rng_file = os.path.join(path, f'rng_{_rank()}.pt')
-    if common['layout'] == _layout_signature() and common['world_size'] == world:
-        S.load_rng_state(torch.load(rng_file, weights_only=False))
+    if rng_path is not None:
+        S.load_rng_state(rng, rng_path)
     _barrier()
     return common['extra']

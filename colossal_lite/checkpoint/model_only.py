@@ -7,15 +7,15 @@ launched: ``sharded_targets`` (a ``DTensor`` of this rank's shard where the
 parameter's placement has one, so DCP reads only the saved chunks overlapping it; full
 tensors otherwise) then ``load_sharded_tensor_state``; serial with no process group: full
 tensors and ``load_tensor_state``. The saved ``optim.*`` keys, side files and RNG states
-are not read. Collective in a launched run (DCP's load plan and a final GLOBAL barrier).
+are not read; the index is read as data (``files.SafeReader``). Collective in a launched
+run (DCP's load plan and a final GLOBAL barrier).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .io import COMMON, _barrier, load_tensors
+from .files import resolve
+from .io import _barrier, load_tensors
 
 
 class _NoOptimizer:
@@ -35,8 +35,5 @@ class _ModelOnly:
 def load_model(path: str, model: torch.nn.Module) -> None:
     """Load the ``model.<key>`` tensors of the checkpoint at ``path`` into ``model`` (built
     for this rank's layout: serial, any tensor mode, a pipeline stage); collective."""
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isfile(os.path.join(path, COMMON)):
-        raise FileNotFoundError(f'{path} is not a complete checkpoint (no {COMMON})')
-    load_tensors(path, _ModelOnly(model))
+    load_tensors(resolve(path), _ModelOnly(model))  # or its path.old-<uuid> (files.py)
     _barrier()

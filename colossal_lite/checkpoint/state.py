@@ -26,7 +26,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..context import seed_manager
+from ..context import ParallelMode, seed_manager
 from ..tensor import param_placement, to_dtensor
 from ..zero.chunk.engine import ChunkOptimizer
 from ..zero.low_level import ZeroNaiveAmp
@@ -369,17 +369,37 @@ def side_state(engine, lr_scheduler=None) -> dict:
 
 def rng_state() -> dict:
     """This rank's RNG states: the default CPU (and CUDA) generator and every per-mode
-    stream of ``seed_manager`` (these depend on the rank's place in the layout)."""
+    stream of ``seed_manager`` (these depend on the rank's place in the layout), as data:
+    ``{'cpu': uint8 tensor, 'cuda': uint8 tensor | None, 'modes': {ParallelMode value:
+    [cpu state, cuda state | None]}}``."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and \
         torch.cuda.is_initialized() else None
-    return {'cpu': torch.get_rng_state(), 'cuda': cuda, 'modes': seed_manager.get_states()}
+    modes = {mode.value: list(states) for mode, states in seed_manager.get_states().items()}
+    return {'cpu': torch.get_rng_state(), 'cuda': cuda, 'modes': modes}
 
 
-def load_rng_state(state: dict) -> None:
-    torch.set_rng_state(state['cpu'])
-    if state['cuda'] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state['cuda'])
-    seed_manager.set_states(state['modes'])
+def load_rng_state(state: dict, where: str = 'the RNG state') -> None:
+    """The inverse of :func:`rng_state`; a ``ValueError`` naming ``where`` for another form."""
+    def generator_state(value, optional=False):
+        if (value is None and optional) or (torch.is_tensor(value) and value.dtype == torch.uint8):
+            return value
+        raise ValueError(f'{where}: an RNG state must be a uint8 tensor, got '
+                         f'{type(value).__name__}')
+
+    def mode(name):
+        if name not in {m.value for m in ParallelMode}:
+            raise ValueError(f'{where}: no ParallelMode is called {name!r}')
+        return ParallelMode(name)
+    try:
+        cpu, cuda = generator_state(state['cpu']), generator_state(state['cuda'], True)
+        modes = {mode(name): (generator_state(s[0]), generator_state(s[1], True))
+                 for name, s in state['modes'].items()}
+    except (KeyError, TypeError, IndexError) as err:
+        raise ValueError(f'{where}: not an RNG state of colossal_lite ({err!r})') from None
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
+    seed_manager.set_states(modes)
 
 
 def load_side_state(engine, state: dict, lr_scheduler=None) -> None:

@@ -4,9 +4,10 @@ starts, the job's tokenizer, and the model built and loaded on each worker.
 
 The job's config comes from the checkpoint (``checkpoint.job.job_settings``: ``colossal-lite
 train`` saves it as ``extra``). Its parallel layout is replaced by tensor parallelism over
-``--nproc`` processes (``--tensor-mode``, default ``1d`` when nproc > 1) with no pipeline
-and no data parallelism, and the training-only sections ``zero``, ``num_microbatches`` /
-``gradient_accumulation`` are dropped; ``fp16`` stays (``eval`` evaluates as training did).
+``--nproc`` processes (``--tensor-mode``, default ``1d`` when nproc > 1; on several nodes
+``--nnodes`` x ``--nproc``, :func:`on_nodes`) with no pipeline and no data parallelism,
+and the training-only sections ``zero``, ``num_microbatches`` / ``gradient_accumulation``
+are dropped; ``fp16`` stays (``eval`` evaluates as training did).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..context import global_context as gpc
 from ..data import ByteTokenizer
 from ..data.hf import get_tokenizer, load_texts
 from ..job import build_model, describe_model, resolve_vocab
+from ..launcher.nodes import add_node_arguments, nodes_from_args
 from ..worker import launch_worker as launch
 
 TRAINING_ONLY = ('parallel', 'zero', 'num_microbatches', 'gradient_accumulation')
@@ -30,12 +32,25 @@ MODES = ('1d', '2d', '2.5d', '3d')
 def add_layout_arguments(parser: argparse.ArgumentParser, tensor_mode: bool = True) -> None:
     parser.add_argument('checkpoint', help='a checkpoint directory written by colossal-lite train')
     parser.add_argument('--nproc', type=int, default=1,
-                        help='local processes: the tensor-parallel size (default 1: serial)')
+                        help='processes on this node; the tensor-parallel size is nnodes x nproc '
+                             '(default 1: serial)')
     if tensor_mode:
         parser.add_argument('--tensor-mode', choices=MODES, default=None,
                             help='tensor-parallel mode over the processes (default 1d)')
         parser.add_argument('--depth', type=int, default=None, help='2.5D depth d (nproc = d*q*q)')
     parser.add_argument('--port', type=int, default=0, help='rendezvous port (default: a free one)')
+    add_node_arguments(parser)
+
+
+def on_nodes(args):
+    """``(nodes, processes on this node, args)`` of a command line with the node flags
+    (``launcher.nodes``: flags > SLURM > one node); the returned ``args`` is a copy whose
+    ``nproc`` is the world size, nnodes x ``--nproc``: the tensor-parallel size that the
+    checks and the workers use."""
+    nodes, local = nodes_from_args(args), args.nproc
+    if isinstance(local, bool) or not isinstance(local, int) or local < 1:
+        raise ConfigError(f'--nproc must be a positive integer, got {local!r}')
+    return nodes, local, argparse.Namespace(**dict(vars(args), nproc=nodes.nnodes * local))
 
 
 def parallel_section(nproc: int, mode: Optional[str], depth: Optional[int]) -> dict:

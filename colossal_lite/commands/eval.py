@@ -22,7 +22,7 @@ from ..launcher import run_workers
 from ..trainer import Trainer
 from ..trainer import hooks as H
 from ._from_checkpoint import (PARENT_ERRORS, add_layout_arguments, fail, inference_config,
-                               launch_worker)
+                               launch_worker, on_nodes)
 
 
 def add_parser(subparsers) -> None:
@@ -45,12 +45,13 @@ def prepare(args) -> None:
 
 def run(args, entrypoint=None) -> int:
     try:
+        nodes, local, args = on_nodes(args)   # args.nproc: all nodes' processes from here on
         prepare(args)
     except PARENT_ERRORS as err:
         return fail('eval', args.checkpoint, err)
-    return run_workers(args.nproc, args.port, entrypoint or eval_worker,
+    return run_workers(local, args.port, entrypoint or eval_worker,
                      os.path.abspath(args.checkpoint), args.nproc, args.tensor_mode,
-                     args.depth, args.batches, what='evaluation')
+                     args.depth, args.batches, what='evaluation', nodes=nodes)
 
 
 def evaluate_loaded(cfg, model, batches=None) -> dict:

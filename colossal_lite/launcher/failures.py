@@ -19,7 +19,8 @@ collective broke *because* another rank died. Two records give the real order:
 
 A rank killed by a signal is named first, then the ranks that raised, oldest first; the
 traceback of the first rank that raised is printed once (not after a kill: the others
-only lost their connections).
+only lost their connections). Ranks are named globally (on a node of several, the records
+hold local ranks: the launcher's failures give the offset).
 """
 from __future__ import annotations
 
@@ -205,14 +206,23 @@ def failure_message(err, first_exit: Optional[FirstExit] = None) -> str:
     found = [f for f in error_files(err) if f[1] not in dict(killed)]
     if not found and not killed:
         found = [(0, f.local_rank, f'exit code {f.exitcode}', '') for f in err.failures.values()]
+    base = _first_global_rank(err)   # ranks are named globally: on node R, local + R*K
     lines = []
     for rank, name in killed:
         why = ' (the out-of-memory killer, or kill -9)' if name == 'SIGKILL' else ''
         text = f'killed by {name}{why}'
+        rank += base
         lines.append(f'rank {rank} failed first: {text}' if not lines else f'  then rank {rank}: {text}')
     for _, rank, message, _ in found:
         text = message.splitlines()[0] if message else '?'
+        rank += base
         lines.append(f'rank {rank} failed first: {text}' if not lines else f'  then rank {rank}: {text}')
     if found and found[0][3] and not killed:  # after a kill, the others only lost connections
-        lines.append(f'traceback of rank {found[0][1]}:\n{found[0][3].rstrip()}')
+        lines.append(f'traceback of rank {base + found[0][1]}:\n{found[0][3].rstrip()}')
     return '\n'.join(lines)
+
+
+def _first_global_rank(err) -> int:
+    """The global rank of this node's local rank 0: the launcher's failures are keyed by
+    global rank and carry the local one (0 on a single node)."""
+    return next((rank - f.local_rank for rank, f in err.failures.items()), 0)
