@@ -9,8 +9,8 @@ parameters concatenated (``numel`` elements) and zero-padded to ``D * shard_nume
 ``[r * shard_numel, (r + 1) * shard_numel)``:
 
 * ``master``: an fp32 ``nn.Parameter`` of ``shard_numel`` elements, this rank's slice of
-  the flat weights (on the CPU with ``offload_optimizer``); the user's Adam/AdamW steps it,
-  so its moments have the same size. ``master.grad`` is this rank's slice of the
+  the flat weights (on the CPU with ``offload_optimizer``); the user's optimizer steps it,
+  so its state has the same size. ``master.grad`` is this rank's slice of the
   reduce-scattered (data-parallel averaged) flat gradient.
 * ``master.placement`` cuts it over the parameters' tensor modes and then the reduce
   group (and keeps their ``grad_sum``), so :func:`colossal_lite.engine.clip.grad_norm`
@@ -19,9 +19,10 @@ parameters concatenated (``numel`` elements) and zero-padded to ``D * shard_nume
 from __future__ import annotations
 
 import itertools
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..communication import collective as C
 from ..context import ParallelMode, ProcessGroupAxis, global_context as gpc
@@ -155,3 +156,22 @@ def build_buckets(param_groups: Sequence[Iterable[torch.nn.Parameter]], bucket_b
     return [FlatBucket(params, reduce_axis(params[0]), key[0], master_device)
             for key, params in closed]
 
+
+
+def agree_on_gradients(buckets: Sequence[FlatBucket], local: Set[int]) -> Set[int]:
+    """The ids of the buckets' parameters that had a gradient this step on any rank of their
+    bucket's reduce group (``local``: those that had one here): as in the serial model,
+    which sees every replica's rows. One all_reduce (MAX) of one flag per parameter over
+    each reduce group. A weight tied across pipeline stages counts as having one (its
+    slices are summed over EMBEDDING, zeros where a stage had none)."""
+    by_axis: Dict[ParallelMode, List[FlatBucket]] = {}
+    for b in buckets:
+        by_axis.setdefault(b.axis.mode, []).append(b)
+    out: Set[int] = set()
+    for group in by_axis.values():
+        params = [(p, b.tied_across_stages) for b in group for p in b.params]
+        flags = torch.tensor([float(tied or id(p) in local) for p, tied in params],
+                             device=group[0].device)
+        flags = C.all_reduce(flags, group[0].axis, op=dist.ReduceOp.MAX)
+        out.update(id(p) for (p, _), flag in zip(params, flags.tolist()) if flag > 0)
+    return out

@@ -1,7 +1,7 @@
 """Low-level ZeRO (stages 1 and 2) wired into the Engine's protocol.
 
-:func:`build_low_level_zero` turns ``zero=dict(stage=1|2, ...)`` and the user's Adam/AdamW
-into the two objects the Engine drives (``docs/zero.md``):
+:func:`build_low_level_zero` turns ``zero=dict(stage=1|2, ...)`` and the user's (elementwise)
+optimizer into the two objects the Engine drives (``docs/zero.md``):
 
 * the gradient handler, a :class:`~colossal_lite.zero.reducer.ShardedGradientReducer`
   (``prepare(sync)`` / ``synchronize()``: bucketed reduce-scatter into the fp32 slices);

@@ -22,18 +22,21 @@ Under pipeline parallelism a weight held by the first and the last stage has a b
 its own; :meth:`synchronize` sums its fp32 gradient slice over EMBEDDING (one all_reduce
 of ``shard_numel`` elements), and the pipeline schedule skips its own EMBEDDING sum (``sums_tied_stages``).
 Every rank must produce gradients for the same parameters (so all ranks start the same
-buckets in the same order).
+buckets in the same order). A parameter without a gradient counts as zeros in its bucket's
+sum; :meth:`params_with_grad` says which had one (on some rank: :meth:`synchronize` agrees
+on it, one all_reduce of one flag per parameter), so the optimizer skips the others as
+the serial one does.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..communication import collective as C
 from ..communication.collective import Pending
 from ..context import ParallelMode, global_context as gpc
-from .buckets import FlatBucket
+from .buckets import FlatBucket, agree_on_gradients
 
 
 class ShardedGradientReducer:
@@ -51,6 +54,8 @@ class ShardedGradientReducer:
         self._ready = [set() for _ in self.buckets]
         self._pending: List[Tuple[int, Pending]] = []
         self._armed = False
+        self._sent: Set[int] = set()                  # had a gradient here this step
+        self._with_grad: Optional[Set[int]] = None    # ... on some rank (synchronize)
         self._handles = []
         if overlap:
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
@@ -74,6 +79,12 @@ class ShardedGradientReducer:
                 summed = C.all_reduce(bucket.master.grad.to(bucket.device),
                                       ParallelMode.EMBEDDING)
                 bucket.master.grad.copy_(summed)
+        self._with_grad = agree_on_gradients(self.buckets, self._sent)
+
+    def params_with_grad(self) -> Optional[Set[int]]:
+        """ids of the parameters that had a gradient this step on some rank of their reduce
+        group (None before :meth:`synchronize`)."""
+        return self._with_grad
 
     def discard(self):
         """Finish the collectives in flight (every rank started them) and drop their results."""
@@ -81,6 +92,7 @@ class ShardedGradientReducer:
             pending.wait()
         self._pending = []
         self._ready = [set() for _ in self.buckets]
+        self._sent, self._with_grad = set(), None
 
     def _on_grad(self, param):
         if not self._armed:
@@ -94,6 +106,8 @@ class ShardedGradientReducer:
         bucket = self.buckets[index]
         self._pending.append((index, bucket.reduce_scatter_grads(self.scale)))
         for p in bucket.params:
+            if p.grad is not None:
+                self._sent.add(id(p))
             p.grad = None
         self._ready[index] = set()
 

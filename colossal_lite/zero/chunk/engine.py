@@ -1,7 +1,7 @@
 """Chunk ZeRO (stage 3) wired into the Engine: module hooks, the gradient handler and the
 optimizer over chunk shards.
 
-:func:`build_chunk_zero` packs the parameters of the user's Adam/AdamW into chunks
+:func:`build_chunk_zero` packs the parameters of the user's optimizer into chunks
 (:mod:`.manager`; module order at first, then, at the first ``zero_grad`` after the warm-up
 step, re-packed in the order that step first used them: :meth:`ChunkOptimizer.repack`),
 installs the hooks and returns the Engine's ``(amp, gradient_handler)``:
@@ -16,9 +16,11 @@ installs the hooks and returns the Engine's ``(amp, gradient_handler)``:
   gradient into the chunk's buffer; a
   chunk whose gradients are all in is reduce-scattered (async, overlapped with backward);
 * :class:`ChunkOptimizer` (a :class:`~colossal_lite.zero.optimizer.ZeroOptimizer`, so the
-  full and sharded state dicts are the stage 1/2 ones) steps the fp32 shards with the user's
-  hyperparameters: shards on the CPU through ``adam_step`` (the C++ kernel), shards on an
-  accelerator through the user's optimizer; the updated shards are gathered on next use;
+  sharded step over per-parameter views -- any elementwise optimizer, a parameter without a
+  gradient left as the serial optimizer leaves it -- and the full and sharded state dicts
+  are the stage 1/2 ones) steps the fp32 shards with the user's optimizer; a torch
+  Adam/AdamW's shards on the CPU go through ``adam_step`` (the C++ kernel, as HybridAdam's
+  own step does); the updated shards are gathered on next use;
 * ``model.state_dict()`` gathers every chunk (one all_gather each) and returns full tensors
   with the serial keys; ``model.load_state_dict(full)`` writes this rank's shards;
 * precision: ``fp16=dict(mode='naive')`` casts the model, so the chunks become fp16/bf16
@@ -45,12 +47,12 @@ from ...config import AmpSettings, ZeroSettings
 from ...context import ParallelMode
 from ...context import global_context as gpc
 from ...engine.gradient_handler import data_parallel_axis
-from ...nn.optimizer import CPUAdam, adam_step
+from ...nn.optimizer import adam_step
 from ...tensor import param_placement
 from ...tensor.init import materialize
-from ..buckets import reduce_axis
+from ..buckets import agree_on_gradients, reduce_axis
 from ..low_level import zero_amp
-from ..optimizer import ZeroOptimizer, _is_slice, _parameter_names, check_optimizer
+from ..optimizer import ZeroOptimizer, _parameter_names, check_optimizer
 from .chunk import Chunk
 from .lazy import has_meta_parameters, init_shard, swap_meta_parameters
 from .manager import ChunkManager
@@ -66,9 +68,15 @@ class ChunkGradientHandler:
 
     def __init__(self, manager: ChunkManager, on_sync):
         self.manager, self._on_sync = manager, on_sync
+        self._with_grad: Optional[set] = None
 
     def prepare(self, sync: bool):
         pass
+
+    def params_with_grad(self) -> Optional[set]:
+        """ids of the parameters that had a gradient this step on some rank of their reduce
+        group (None before :meth:`synchronize`)."""
+        return self._with_grad
 
     def synchronize(self):
         """Wait for the reductions; a weight held by the first and the last pipeline stage
@@ -81,24 +89,26 @@ class ChunkGradientHandler:
                 grad = master.grad if master.grad is not None else torch.zeros_like(master)
                 master.grad = C.all_reduce(grad.to(chunk.device), ParallelMode.EMBEDDING
                                            ).to(master.device).clone()
+        self._with_grad = agree_on_gradients(self.manager.chunks, self.manager.had_grad)
         self._on_sync()
 
     def discard(self):
         self.manager.discard()
+        self._with_grad = None
 
 
 class ChunkOptimizer(ZeroOptimizer):
-    """The user's Adam/AdamW re-pointed to the chunks' fp32 shards (module docstring)."""
+    """The user's optimizer re-pointed to the chunks' fp32 shards (module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: Dict[int, str],
                  manager: ChunkManager, handler: ChunkGradientHandler):
-        check_optimizer(optimizer)
-        for group in optimizer.param_groups:
-            if group.get('amsgrad') or group.get('maximize'):
-                raise NotImplementedError('ZeRO stage 3 steps Adam/AdamW without amsgrad or '
-                                          'maximize')
+        check_optimizer(optimizer, 3)
+        optimizer.state.clear()   # only state built at construction, never stepped
         self.optim, self.stage, self.offload = optimizer, 3, False
         self._names, self.manager, self.reducer = names, manager, handler
+        self.all_names = manager.names
+        self._param_state: Dict[int, dict] = {}
+        self._stepped: set = set()
         self.buckets: List[Chunk] = manager.chunks   # re-packing replaces its items in place
         self.hooks: Optional['_Hooks'] = None
         self.margin_ratio = 0.0        # zero.device_margin_ratio (adaptive HybridAdam)
@@ -151,72 +161,58 @@ class ChunkOptimizer(ZeroOptimizer):
     @torch.no_grad()
     def repack(self, order: List[torch.nn.Parameter]) -> bool:
         """Re-form the chunks with the parameters packed in ``order`` (between steps, no
-        gradients held): the fp32 masters and Adam's moments move to the new chunks' shards
-        (one all_gather per old chunk and tensor, ``ChunkManager.repack``), the step counts
-        stay, the optimizer is re-pointed. False (nothing changed) when the packing is the
-        same, or when the chunks' step counts differ (a new chunk could not hold one)."""
+        gradients held): the fp32 masters and the optimizer's flat slots move to the new
+        chunks' shards (one all_gather per old chunk and tensor, ``ChunkManager.repack``);
+        the per-parameter scalars (step counts) stay with their parameters; the optimizer is
+        re-pointed. False (nothing changed) when the packing is the same."""
         packed = self.manager.plan(order)
         old = list(self.buckets)
         if [[id(p) for p in ps] for ps, _ in packed] == [[id(p) for p in c.params] for c in old]:
             return False
         if any(c.master.grad is not None for c in old):
             raise RuntimeError('chunks are re-packed only without gradients (after zero_grad)')
-        states = [self.optim.state.get(c.master, {}) for c in old]
-        keys = set(states[0])
-        if any(set(st) != keys for st in states):
-            return False
-        sliced = sorted(k for k in keys if _is_slice(states[0][k], old[0]))
-        scalars = {k: states[0][k] for k in keys if k not in sliced}
-        if any(not _same(st[k], v) for st in states for k, v in scalars.items()):
-            return False
+        states = [self._slots(c) for c in old]
+        keys = sorted({k for st in states for k in st})
         shards = {'master': [c.master.detach() for c in old]}
-        shards.update({k: [st[k] for st in states] for k in sliced})
+        shards.update({k: [st.get(k) for st in states] for k in keys})
         new = self.manager.repack(packed, shards)
         for c in old:
             self.optim.state.pop(c.master, None)
         self._point_groups()
         if keys:
             for index, chunk in enumerate(self.buckets):
-                self.optim.state[chunk.master] = {
-                    **{k: new[k][index] for k in sliced},
-                    **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}}
+                self.optim.state[chunk.master] = {k: new[k][index] for k in keys}
         return True
 
     def step(self, closure=None):
         if closure is not None:
             raise ValueError('ZeRO optimizers take no closure')
-        host = [c.master for c in self.buckets
-                if c.master.device.type == 'cpu' and c.master.grad is not None]
-        if isinstance(self.optim, CPUAdam) or not host:
-            self.optim.step()
-        else:
-            grads = [m.grad for m in host]
-            for m in host:          # the user's optimizer steps the device shards only
-                m.grad = None
-            try:
-                self.optim.step()
-            finally:
-                for m, g in zip(host, grads):
-                    m.grad = g
-            on_host = {id(m) for m in host}
-            for group in self.optim.param_groups:
-                for m in group['params']:
-                    if id(m) in on_host:
-                        self._host_step(group, m)
+        self._step_shards()
         self.manager.policy.after_step()
 
+    def _on_kernel(self, group: dict, view: torch.Tensor) -> bool:
+        """A torch Adam/AdamW (no amsgrad, maximize, capturable, differentiable or fused) steps its
+        CPU shards through the C++ kernel; HybridAdam/CPUAdam do so in their own step."""
+        return (view.device.type == 'cpu'
+                and type(self.optim) in (torch.optim.Adam, torch.optim.AdamW)
+                and not any(group.get(k) for k in ('amsgrad', 'maximize', 'capturable',
+                                                   'differentiable', 'fused')))
+
     @torch.no_grad()
-    def _host_step(self, group: dict, master: torch.nn.Parameter):
-        state = self.optim.state[master]
+    def _kernel_step(self, group: dict, view: torch.Tensor, state: dict):
+        """torch's Adam/AdamW step of one CPU view (its state: as torch builds it) through
+        ``adam_step``."""
         if not state:
             state['step'] = torch.zeros((), dtype=torch.float32)
-            state['exp_avg'] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            state['exp_avg_sq'] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state['exp_avg'] = torch.zeros_like(view, memory_format=torch.preserve_format)
+            state['exp_avg_sq'] = torch.zeros_like(view, memory_format=torch.preserve_format)
         state['step'] += 1
+        if not view.numel():
+            return
         beta1, beta2 = group['betas']
         adamw = isinstance(self.optim, torch.optim.AdamW) or group.get('decoupled_weight_decay',
                                                                         False)
-        adam_step(master.data, master.grad, state['exp_avg'], state['exp_avg_sq'],
+        adam_step(view, view.grad, state['exp_avg'], state['exp_avg_sq'],
                   int(state['step'].item()), float(group['lr']), beta1, beta2,
                   float(group['eps']), float(group['weight_decay']), bool(adamw),
                   check_finite=False)
@@ -229,27 +225,6 @@ class ChunkOptimizer(ZeroOptimizer):
     def refresh_masters(self):
         raise NotImplementedError('ZeRO stage 3 keeps no unsharded parameters to refresh the '
                                   'shards from; load weights with model.load_state_dict(full)')
-
-    def full_gradients(self) -> Dict[str, torch.Tensor]:
-        """Every parameter's data-parallel averaged gradient, full shape, by serial name (a
-        tied weight under each name); one all_gather per chunk over its reduce group."""
-        out = {}
-        for chunk in self.buckets:
-            grad = chunk.master.grad
-            if grad is None:
-                continue
-            for p, view in zip(chunk.params, chunk.views(chunk.gather(grad.to(chunk.dtype)))):
-                full = param_placement(p).gather(view).clone().cpu()
-                for name in self.manager.names[id(p)]:
-                    out[name] = full
-        return out
-
-
-def _same(a, b) -> bool:
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
-    return a == b
-
 
 # ---------------------------------------------------------------------------- hooks
 def _tensors(obj):
@@ -436,7 +411,7 @@ def build_chunk_zero(settings: ZeroSettings, amp_settings: AmpSettings, model: t
                      ) -> Tuple[FullPrecision, ChunkGradientHandler]:
     """``(amp, gradient_handler)`` for ``zero=dict(stage=3, ...)`` (``model`` on its device
     and equal on every replica)."""
-    check_optimizer(optimizer)
+    check_optimizer(optimizer, 3)
     lazy = has_meta_parameters(model) and swap_meta_parameters(model, optimizer, gpc.device)
     ordered, seen = [], set()
     group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g['params']}

@@ -108,6 +108,7 @@ class ChunkManager:
         self.forecast = Forecast()          # chunk uses of the last pass with a backward
         self._uses: List[int] = []          # this pass's chunk uses (repeats collapsed)
         self._backward_seen = False
+        self.had_grad: set = set()          # ids of the parameters with a gradient this step
         self.ledger.evictors.insert(0, self._evict_idle)
 
     def _form(self, packed, shards: Optional[List[torch.Tensor]] = None):
@@ -346,6 +347,7 @@ class ChunkManager:
                                f'released')
         chunk.grad_full = chunk.full
         chunk.write_grad(param, param.grad)
+        self.had_grad.add(id(param))
         param.grad = None
         if chunk.state(param) in (S.FREE, S.HOLD):   # no pre-backward reached it (before_grad)
             chunk.move([param], S.COMPUTE)
@@ -425,6 +427,7 @@ class ChunkManager:
         for _, pending in self._pending:
             pending.wait()
         self._pending = []
+        self.had_grad = set()
         for chunk in self.chunks:
             self.release(chunk)
             if chunk.grad_full is not None:
