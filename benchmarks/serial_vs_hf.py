@@ -4,7 +4,7 @@ training step on CPU.
 Same config and the same weights (HF's converted by model_zoo.hf); the script first
 checks that both give the same loss and logits, then times forward + loss + backward
 + AdamW step, the two models alternated round by round, and reports the median of the
-per-round time ratios (ours / theirs; target: GPT <= 1.0, Llama <= 0.85), on two clocks:
+per-round time ratios (ours / theirs; target: GPT <= 0.9, Llama <= 0.85), on two clocks:
 wall time and the process's CPU time (the robust one on a shared, oversubscribed machine).
 
     python benchmarks/serial_vs_hf.py --model gpt|llama [--hidden 256 --layers 4 --seq 128]
@@ -44,7 +44,7 @@ def _llama(args, transformers):
     return hf, Llama.from_hf(hf)
 
 
-MODELS = {'gpt': (_gpt, 1.0), 'llama': (_llama, 0.85)}  # builder, target ratio
+MODELS = {'gpt': (_gpt, 0.9), 'llama': (_llama, 0.85)}  # builder, target ratio
 
 
 def build(args):

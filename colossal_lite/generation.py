@@ -14,6 +14,11 @@ Past ``max_positions`` the context window slides: once the cache is full, every 
 the last ``max_positions`` tokens afresh (a new cache), as a model cropping its input to
 its positions does; a prompt longer than ``max_positions`` is an error.
 
+A packed prompt (``position_ids=``: several documents per row, positions restarting at 0
+where each starts; docs/llama.md) is prefilled with ``packed=True``; the cache then
+continues each row's last document (its positions, attention within it), so the tokens
+are those the last document alone would produce as the prompt.
+
 Every rank holds the full prompt (the model splits its inputs as the layout needs), the
 same full logits (``gather_logits``: all_gathers over the vocabulary and batch cuts) and
 the same CPU generator, so every rank picks the same token with no extra collective.
@@ -75,17 +80,26 @@ def pick(logits: torch.Tensor, top_k: Optional[int], temperature: float,
 
 @torch.no_grad()
 def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, *, top_k: Optional[int] = None,
-             temperature: float = 1.0, seed: int = 0) -> torch.Tensor:
+             temperature: float = 1.0, seed: int = 0,
+             position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The prompt followed by ``max_new_tokens`` generated tokens (see the module doc).
 
     ``prompt_ids``: the full ``[s]`` or ``[b, s]`` ids, identical on every rank; returns
-    ``[s + n]`` or ``[b, s + n]`` on every rank. Collective in a launched tensor layout
-    (every rank calls it with the same arguments); the model is put in eval mode."""
+    ``[s + n]`` or ``[b, s + n]`` on every rank. ``position_ids`` (the prompt's shape): a
+    packed prompt, continued in its last document (module doc). Collective in a launched
+    tensor layout (every rank calls it with the same arguments); the model is put in eval
+    mode."""
     single = prompt_ids.dim() == 1
     prompt = prompt_ids.unsqueeze(0) if single else prompt_ids
     if prompt.dim() != 2 or prompt.shape[0] == 0:
         raise ValueError(f'prompt_ids must be a [s] or [b, s] tensor of token ids, got shape '
                          f'{tuple(prompt_ids.shape)}')
+    positions = None
+    if position_ids is not None:
+        if tuple(position_ids.shape) != tuple(prompt_ids.shape):
+            raise ValueError(f'position_ids {tuple(position_ids.shape)} must have the shape of '
+                             f'prompt_ids {tuple(prompt_ids.shape)}')
+        positions = position_ids.reshape(prompt.shape).cpu()
     check_arguments(model, prompt.shape[1], max_new_tokens, top_k, temperature)
     b = prompt.shape[0]
     pad = -b % batch_split()  # 2D/2.5D/3D split the batch: pad with copies of the last row
@@ -99,8 +113,15 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, *, top_k: Opt
     for _ in range(max_new_tokens):
         if limit is not None and cache.length + step.shape[1] > limit:
             cache, step = model.new_kv_cache(), out[:, -limit:]  # the window slides
+        packed = {}
+        if positions is not None and cache.length == 0:  # a packed (re)fill; then continued
+            pos = positions[:, -step.shape[1]:]
+            packed = dict(packed=True,
+                          position_ids=torch.cat([pos, pos[-1:].expand(pad, -1)]).to(device))
         step = torch.cat([step, step[-1:].expand(pad, -1)]).to(device)
-        logits = gather_logits(model(step, kv_cache=cache, last_only=True))[:b, -1]
+        logits = gather_logits(model(step, kv_cache=cache, last_only=True, **packed))[:b, -1]
         step = pick(logits, top_k, temperature, generator).unsqueeze(1)  # the real rows only
         out = torch.cat([out, step], dim=1)
+        if positions is not None:
+            positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
     return out[0] if single else out

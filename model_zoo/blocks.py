@@ -45,12 +45,16 @@ class SelfAttention(nn.Module):
         self.dense = col_nn.Linear(hidden, hidden, region='exit', weight_init=normal_init(init_std),
                                    bias_init=zeros_init)
 
-    def forward(self, x, key_padding_mask=None, kv_cache=None):
+    def forward(self, x, key_padding_mask=None, kv_cache=None, document_ids=None):
         """``kv_cache`` (a ``kv_cache.LayerKV``): this step's local k, v are appended to it
-        and the queries attend to every cached key (causal mask offset by the cache)."""
+        and the queries attend to every cached key (causal mask offset by the cache).
+        ``document_ids``: the full ``[b, keys]`` documents of packed rows (attention within
+        each document; ``col_nn.AttentionCore``)."""
         q, k, v = col_nn.project_qkv(x, self.query, self.key, self.value)
         if kv_cache is not None:
             k, v = kv_cache.extend(k, v)
+        if document_ids is not None:
+            return self.dense(self.core(q, k, v, key_padding_mask, document_ids=document_ids))
         ctx = self.core(q, k, v, key_padding_mask)
         return self.dense(ctx)
 
@@ -89,18 +93,18 @@ class TransformerLayer(nn.Module):
         self.drop1 = col_nn.Dropout(dropout)
         self.drop2 = col_nn.Dropout(dropout)
 
-    def _forward(self, x, key_padding_mask=None, kv_cache=None):
+    def _forward(self, x, key_padding_mask=None, kv_cache=None, document_ids=None):
         if self.pre_ln:
-            x = x + self.drop1(self.attn(self.ln1(x), key_padding_mask, kv_cache))
+            x = x + self.drop1(self.attn(self.ln1(x), key_padding_mask, kv_cache, document_ids))
             return x + self.drop2(self.mlp(self.ln2(x)))
-        x = self.ln1(x + self.drop1(self.attn(x, key_padding_mask, kv_cache)))
+        x = self.ln1(x + self.drop1(self.attn(x, key_padding_mask, kv_cache, document_ids)))
         return self.ln2(x + self.drop2(self.mlp(x)))
 
-    def forward(self, x, key_padding_mask=None, kv_cache=None):
+    def forward(self, x, key_padding_mask=None, kv_cache=None, document_ids=None):
         if self.checkpoint and self.training and torch.is_grad_enabled() and kv_cache is None:
             from colossal_lite.engine.checkpoint import checkpoint
-            return checkpoint(self._forward, x, key_padding_mask)
-        return self._forward(x, key_padding_mask, kv_cache)
+            return checkpoint(self._forward, x, key_padding_mask, None, document_ids)
+        return self._forward(x, key_padding_mask, kv_cache, document_ids)
 
 
 def checkpointed_blocks(checkpoint, layers: int) -> frozenset:

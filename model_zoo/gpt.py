@@ -66,17 +66,25 @@ class GPT(CachedDecoding, HFConvertible, StagedTransformer):
 
     def forward(self, input_ids: torch.Tensor, stage_input: torch.Tensor = None,
                 stage: int = None, kv_cache: KVCache = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, position_ids: torch.Tensor = None,
+                packed: bool = False) -> torch.Tensor:
         """``kv_cache``: see :meth:`new_kv_cache`; ``last_only``: the logits of the last
-        position only, ``[b, 1, V]`` (no tensor mode splits the sequence: a local slice)."""
+        position only, ``[b, 1, V]`` (no tensor mode splits the sequence: a local slice).
+        ``position_ids [b, s]`` (default ``0 .. s-1`` after the cached tokens) pick the
+        learned positions; ``packed=True``: each row holds several documents whose
+        ``position_ids`` restart at 0, and a token attends only within its document
+        (docs/llama.md, "Packed documents")."""
         self.check_last_only(last_only)
         spec = self.stage_spec(stage)
         x = self.stage_start(spec, stage_input)
+        position_ids, docs = self.packed_step(input_ids, position_ids, packed, kv_cache)
         if spec.first:
-            positions = self._positions(input_ids, kv_cache)
+            positions = self._positions(input_ids, kv_cache) if position_ids is None \
+                else position_ids.expand(input_ids.shape)
             x = self.drop(self.wte(input_ids) + self.wpe(positions))
         for i in spec.layers:
-            x = self.blocks[str(i)](x, kv_cache=None if kv_cache is None else kv_cache.layer(i))
+            x = self.blocks[str(i)](x, kv_cache=None if kv_cache is None else kv_cache.layer(i),
+                                    document_ids=docs)
         if kv_cache is not None:
             kv_cache.length += input_ids.shape[1]
         if not spec.last:

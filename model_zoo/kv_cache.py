@@ -14,7 +14,14 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
+from colossal_lite.config.families import family
+from colossal_lite.nn.functional import document_ids
 from colossal_lite.nn.registry import current_mode
+
+
+def _splits_sequence() -> bool:
+    """Whether the launched tensor mode splits the sequence ('sequence', 'ulysses')."""
+    return family(current_mode()).splits_sequence
 
 
 class LayerKV:
@@ -44,6 +51,15 @@ class KVCache:
     def __init__(self, layers: Iterable[int]):
         self.layers: Dict[int, LayerKV] = {int(i): LayerKV() for i in layers}
         self.length = 0
+        # packed rows (CachedDecoding.packed_step): the full [b, t] document ids of the
+        # cached tokens and the [b] position each row's last document continues at
+        self.document_ids: Optional[torch.Tensor] = None
+        self.next_positions: Optional[torch.Tensor] = None
+
+    @property
+    def packed(self) -> bool:
+        """Filled by a packed step: later steps continue each row's last document."""
+        return self.document_ids is not None
 
     def layer(self, index: int) -> LayerKV:
         return self.layers[int(index)]
@@ -60,14 +76,50 @@ class CachedDecoding:
         if self.is_pipelined:
             raise NotImplementedError('KV-cached decoding is not implemented under pipeline '
                                       'parallelism; load the weights into a tensor layout')
-        if current_mode() == 'sequence':
+        if _splits_sequence():
             raise NotImplementedError('KV-cached decoding is not implemented under sequence '
                                       'parallelism (a decoding step of one token cannot be '
                                       'split along the sequence); use a tensor mode')
         return KVCache(self.stage_spec().layers)
 
     @staticmethod
+    def packed_step(input_ids: torch.Tensor, position_ids: Optional[torch.Tensor], packed: bool,
+                    kv_cache: Optional[KVCache]) -> Tuple[Optional[torch.Tensor],
+                                                          Optional[torch.Tensor]]:
+        """``(position_ids, document_ids)`` of a forward step. Packed rows (``packed=True``,
+        or a cache a packed step filled): ``position_ids [b, s]`` restart at 0 where a
+        document starts -- after a packed cache they default to continuing each row's last
+        document -- and ``document_ids [b, t + s]`` number the documents of the cached and
+        the step's tokens (``nn.functional.document_ids``, continuing the cache's count),
+        which the cache records. Otherwise ``(position_ids, None)``: nothing else is done.
+        No communication."""
+        cached = kv_cache is not None and kv_cache.packed
+        if not (packed or cached):
+            return position_ids, None
+        if kv_cache is not None and kv_cache.length and not cached:
+            raise ValueError('packed=True after unpacked cached tokens: a cache continues '
+                             'packed rows only when a packed step filled it')
+        b, s = input_ids.shape
+        if position_ids is None:
+            if not cached:
+                raise ValueError('packed=True needs position_ids [b, s] that restart at 0 '
+                                 'where each document starts')
+            position_ids = kv_cache.next_positions.unsqueeze(1) + torch.arange(
+                s, device=input_ids.device)
+        if position_ids.dim() == 1:
+            position_ids = position_ids.expand(b, s)
+        if tuple(position_ids.shape) != (b, s):
+            raise ValueError(f'position_ids must be [b, s] = [{b}, {s}] like input_ids, got '
+                             f'{tuple(position_ids.shape)}')
+        docs = document_ids(position_ids)
+        if cached:
+            docs = torch.cat([kv_cache.document_ids, docs + kv_cache.document_ids[:, -1:]], 1)
+        if kv_cache is not None:
+            kv_cache.document_ids, kv_cache.next_positions = docs, position_ids[:, -1] + 1
+        return position_ids, docs
+
+    @staticmethod
     def check_last_only(last_only: bool):
-        if last_only and current_mode() == 'sequence':
+        if last_only and _splits_sequence():
             raise NotImplementedError('last_only is not implemented under sequence parallelism '
                                       '(the last position lives on the last sequence rank)')

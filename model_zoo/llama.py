@@ -68,12 +68,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = col_nn.Linear(heads * head_dim, hidden, bias=False, region='exit',
                                     weight_init=normal_init(init_std))
 
-    def forward(self, x, rope, kv_cache=None):
+    def forward(self, x, rope, kv_cache=None, document_ids=None):
         q, k, v = col_nn.project_qkv(x, self.q_proj, self.k_proj, self.v_proj)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin, self.head_dim), apply_rotary(k, cos, sin, self.head_dim)
         if kv_cache is not None:
             k, v = kv_cache.extend(k, v)
+        if document_ids is not None:  # packed rows: attention within each document
+            return self.o_proj(self.core(q, k, v, document_ids=document_ids))
         return self.o_proj(self.core(q, k, v))
 
 
@@ -107,15 +109,15 @@ class LlamaBlock(nn.Module):
         self.drop1 = col_nn.Dropout(dropout)
         self.drop2 = col_nn.Dropout(dropout)
 
-    def _forward(self, x, cos, sin, kv_cache=None):
-        x = x + self.drop1(self.attn(self.attn_norm(x), (cos, sin), kv_cache))
+    def _forward(self, x, cos, sin, kv_cache=None, document_ids=None):
+        x = x + self.drop1(self.attn(self.attn_norm(x), (cos, sin), kv_cache, document_ids))
         return x + self.drop2(self.mlp(self.mlp_norm(x)))
 
-    def forward(self, x, rope, kv_cache=None):
+    def forward(self, x, rope, kv_cache=None, document_ids=None):
         if self.checkpoint and self.training and torch.is_grad_enabled() and kv_cache is None:
             from colossal_lite.engine.checkpoint import checkpoint
-            return checkpoint(self._forward, x, *rope)
-        return self._forward(x, *rope, kv_cache)
+            return checkpoint(self._forward, x, *rope, None, document_ids)
+        return self._forward(x, *rope, kv_cache, document_ids)
 
 
 def llama_block_params(hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -188,13 +190,16 @@ class Llama(CachedDecoding, HFConvertible, StagedTransformer):
 
     def forward(self, input_ids: torch.Tensor, stage_input: torch.Tensor = None,
                 stage: int = None, kv_cache: KVCache = None, last_only: bool = False,
-                position_ids: torch.Tensor = None) -> torch.Tensor:
+                position_ids: torch.Tensor = None, packed: bool = False) -> torch.Tensor:
         """``position_ids [b, s]`` (default ``0 .. s-1`` after the cached tokens) place the
         rotary angles; ``kv_cache``: see :meth:`new_kv_cache`; ``last_only``: the logits of
-        the last position only, ``[b, 1, V]``."""
+        the last position only, ``[b, 1, V]``. ``packed=True``: each row holds several
+        documents whose ``position_ids`` restart at 0; a token attends only within its
+        document (docs/llama.md, "Packed documents"; :meth:`packed_step`)."""
         self.check_last_only(last_only)
         spec = self.stage_spec(stage)
         x = self.stage_start(spec, stage_input)
+        position_ids, docs = self.packed_step(input_ids, position_ids, packed, kv_cache)
         if position_ids is None:
             position_ids = self._positions(input_ids, kv_cache)
         rope = rotary_tables(col_nn.local_positions(position_ids), self.rope_freqs)
@@ -202,7 +207,8 @@ class Llama(CachedDecoding, HFConvertible, StagedTransformer):
             x = self.drop(self.embed(input_ids))
         for i in spec.layers:
             x = self.blocks[str(i)](x, rope,
-                                    kv_cache=None if kv_cache is None else kv_cache.layer(i))
+                                    kv_cache=None if kv_cache is None else kv_cache.layer(i),
+                                    document_ids=docs)
         if kv_cache is not None:
             kv_cache.length += input_ids.shape[1]
         if not spec.last:

@@ -239,6 +239,37 @@ def test_dropout_backward_is_the_exact_gradient_of_its_forward():
             assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), res['checks']
 
 
+# ----------------------------------------------------------------- key tiles
+def _tiled(worker, tile):
+    """``worker`` with the ring's key tile set to ``tile`` (on this rank)."""
+    def run(rank):
+        from colossal_lite.nn.sequence import ring
+        ring.KEY_TILE = tile
+        return worker(rank)
+    return run
+
+
+def _tiled_ring_worker(rank, tile):
+    return _tiled(_ring_worker, tile)(rank)
+
+
+def _tiled_dropout_worker(rank, tile):
+    return _tiled(_dropout_worker, tile)(rank)
+
+
+def test_key_tiles_narrower_than_a_chunk_pair_equal_serial():
+    """With key tiles of 5 keys (chunks of 3: tiles cut chunks and chunk pairs unevenly,
+    the last one shorter) every case still equals serial SDPA, and dropout's backward is
+    the exact gradient of its forward (each tile's mask regenerated)."""
+    for res in run_distributed(_tiled_ring_worker, 4, seq_config(4), 5, timeout=300):
+        for case, r in res.items():
+            assert max(r['diffs']) <= TOL, (case, r['diffs'])
+    for res in run_distributed(_tiled_dropout_worker, 2, seq_config(2), 5, timeout=300):
+        assert res['repeat'] == 0.0 and res['changed'] > 1e-3
+        for numeric, analytic in res['checks']:
+            assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), res['checks']
+
+
 # ----------------------------------------------------------------- whole models
 def _gpt_length_error(rank):
     try:  # 22 tokens: divisible by P=2 but not by 2P=4 -- raised before any collective

@@ -3,10 +3,11 @@ from .layers import (AttentionCore, Classifier, CrossEntropyLoss, Dropout, Embed
                      KeyValueLinear, LayerNorm, Linear, PatchEmbedding, RMSNorm,
                      VocabParallelClassifier, VocabParallelEmbedding, first_token,
                      gather_logits, local_positions, place_qkv_adjacent, project_qkv)
+from .functional import document_ids
 from .registry import implementation, register
 from . import optimizer
 
 __all__ = ['AttentionCore', 'Classifier', 'CrossEntropyLoss', 'Dropout', 'Embedding',
            'KeyValueLinear', 'LayerNorm', 'Linear', 'RMSNorm', 'local_positions', 'PatchEmbedding', 'VocabParallelClassifier', 'VocabParallelEmbedding',
            'gather_logits', 'first_token', 'place_qkv_adjacent', 'project_qkv', 'implementation',
-           'register', 'optimizer']
+           'register', 'optimizer', 'document_ids']

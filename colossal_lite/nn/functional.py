@@ -1,4 +1,5 @@
-"""Functions shared by every layer family: vocab-parallel cross entropy, attention, id checks.
+"""Functions shared by every layer family: vocab-parallel cross entropy, attention (with the
+document mask of packed rows), id checks.
 
 Vocab-parallel cross entropy (logits split along the vocabulary over ``axis``)::
 
@@ -18,6 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..communication import collective as C
 from ..context import ProcessGroupAxis
@@ -52,12 +54,61 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
+BLOCK_ELEMENTS = 1 << 20   # token cross entropy's row blocks: ~4 MB of fp32 each
+
+
+def _block_rows(width: int) -> int:
+    return max(1, BLOCK_ELEMENTS // max(width, 1))
+
+
+class _TokenCrossEntropy(torch.autograd.Function):
+    """``F.cross_entropy(logits.float(), target, reduction='none')`` of whole logits ``[N, C]``,
+    the same losses bit for bit, in row blocks of ~4 MB: the fp32 log-softmax never exists
+    whole. F.cross_entropy keeps it ``[N, C]`` for backward, then zero-fills an ``[N, C]``
+    gradient and runs the log-softmax backward over both; here forward keeps the logits and
+    backward recomputes each block's log-softmax and writes ``g * (softmax - onehot)`` into
+    the gradient, the only ``[N, C]`` buffer it allocates (on the CPU each fresh one costs
+    its page faults: ~12 ms for 32 MB here). The gradient comes back in the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index):
+        valid = target != ignore_index
+        safe = torch.where(valid, target, torch.zeros_like(target))
+        rows = _block_rows(logits.shape[-1])
+        picked = torch.cat([torch.log_softmax(z, -1, dtype=torch.float32).gather(-1, t[:, None])
+                            for z, t in zip(logits.split(rows), safe.split(rows))]).squeeze(-1)
+        ctx.save_for_backward(logits, safe, valid)
+        return torch.where(valid, -picked, torch.zeros_like(picked))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        logits, safe, valid = ctx.saved_tensors
+        g = torch.where(valid, grad_loss, torch.zeros_like(grad_loss)).unsqueeze(-1)
+        grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        rows = _block_rows(logits.shape[-1])
+        for z, out, g_z, t in zip(logits.split(rows), grad.split(rows), g.split(rows),
+                                  safe.split(rows)):
+            torch.exp(torch.log_softmax(z, -1, dtype=torch.float32), out=out)
+            out.mul_(g_z).scatter_add_(-1, t[:, None], -g_z)
+        return grad.to(logits.dtype), None, None
+
+
+def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                        ignore_index: int = -100) -> torch.Tensor:
+    """Per-token fp32 loss ``[N]`` of whole logits ``[N, C]`` (0 where ``target`` is
+    ``ignore_index``), as ``F.cross_entropy(.., reduction='none')``. No communication."""
+    if logits.dim() != 2 or target.shape != logits.shape[:1]:
+        raise ValueError(f'token_cross_entropy needs logits [N, C] and target [N], got '
+                         f'{tuple(logits.shape)} and {tuple(target.shape)}')
+    return _TokenCrossEntropy.apply(logits, target, ignore_index)
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
                                  axis: ProcessGroupAxis, ignore_index: int = -100) -> torch.Tensor:
     """Per-token loss for logits ``[N, V/p]`` split along the vocabulary over ``axis``."""
     if axis.size == 1:
-        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index,
-                               reduction='none')
+        return token_cross_entropy(logits, target, ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index)
 
 
@@ -82,8 +133,7 @@ def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     ``vocab_axis``, or whole when it is None) against labels ``[..]`` of the same leading shape."""
     flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     if vocab_axis is None:
-        return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=ignore_index,
-                               reduction='none')
+        return token_cross_entropy(flat_logits, flat_labels, ignore_index)
     return vocab_parallel_cross_entropy(flat_logits, flat_labels, vocab_axis, ignore_index)
 
 
@@ -116,16 +166,36 @@ def check_targets(labels: torch.Tensor, num_classes: int, ignore_index: int):
                          f'classes (ignore_index={ignore_index})')
 
 
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """The document of every token of packed rows ``[.., s]`` whose position ids restart at 0
+    where a document starts (Megatron's ``reset_position_ids``, Hugging Face's packed
+    sequences): ``cumsum(position_ids == 0, -1)``. Tokens before a row's first 0 (a document
+    cut off by the row's start) are document 0. Non-decreasing along the row. Local."""
+    return (position_ids == 0).cumsum(-1)
+
+
+def document_mask(document_ids: torch.Tensor, s_q: int) -> torch.Tensor:
+    """``[b, 1, s_q, s_k]`` booleans, True where query i and key j are in one document, for
+    keys' ``document_ids [b, s_k]`` whose last ``s_q`` are the queries' (self-attention, or
+    a decoding step against its KV cache)."""
+    docs = document_ids
+    return (docs[:, -s_q:, None] == docs[:, None, :]).unsqueeze(1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
               causal: bool = False, key_padding_mask: Optional[torch.Tensor] = None,
               dropout_p: float = 0.0,
-              rng: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+              rng: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+              document_ids: Optional[torch.Tensor] = None):
     """softmax(Q K^T / sqrt(d) + mask) V on local tensors q ``[b, s, n*d]``, k and v
     ``[b, s_k, n_kv*d]``; with ``n_kv < n`` (grouped-query attention) query head i reads
     kv head ``i // (n / n_kv)``.
 
     ``key_padding_mask`` is ``[b, s_k]`` with 1/True for keys to attend to.
-    ``rng`` gives the context in which attention dropout draws its mask.
+    ``document_ids`` (packed rows, :func:`document_ids`) is ``[b, s_k]``, the keys'
+    documents (the queries are the last ``s`` keys): query i attends to key j only when
+    both are in one document. ``rng`` gives the context in which attention dropout draws
+    its mask.
     """
     b, s_q, width = q.shape
     s_k = k.shape[1]
@@ -137,6 +207,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
     mask = None
     if key_padding_mask is not None:
         mask = key_padding_mask.to(torch.bool).view(b, 1, 1, s_k)
+    if document_ids is not None:
+        if tuple(document_ids.shape) != (b, s_k):
+            raise ValueError(f'document_ids must be [batch, keys] = [{b}, {s_k}] (this '
+                             f'attention\'s local batch), got {tuple(document_ids.shape)}')
+        same = document_mask(document_ids.to(q.device), s_q)
+        mask = same if mask is None else mask & same
     if causal:
         tri = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
         mask = tri if mask is None else mask & tri

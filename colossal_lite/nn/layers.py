@@ -100,8 +100,12 @@ def AttentionCore(head_dim: int, causal: bool = False, dropout: float = 0.0,
                   num_heads: Optional[int] = None, **kwargs):
     """softmax(QK^T/sqrt(d) + mask)V on the q, k, v produced by 'enter' linears.
 
-    ``forward(q, k, v, key_padding_mask=None)``; the mask is the user's full ``[b, s]``
-    mask (1 = attend) and is split by the family as its layout needs. k and v may hold
+    ``forward(q, k, v, key_padding_mask=None, document_ids=None)``; the mask is the user's
+    full ``[b, s]`` mask (1 = attend) and is split by the family as its layout needs.
+    ``document_ids`` (packed rows: ``nn.functional.document_ids(position_ids)``) is the
+    full ``[b, s_k]`` document index of every key, the queries being the last ones; a
+    query attends only to keys of its own document (and, when causal, not later ones).
+    Split by each family like the mask. k and v may hold
     fewer heads than q (grouped-query attention, from :func:`KeyValueLinear`): local
     query head i reads local kv head ``i // (local q heads / local kv heads)``. With
     ``num_heads`` the split of the heads over ranks is checked here, at construction.

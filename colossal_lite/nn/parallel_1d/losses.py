@@ -14,7 +14,8 @@ from .layers import default_axis, sequence_dim
 
 
 class AttentionCore1D(nn.Module):
-    """softmax(QK^T/sqrt(d))V on this rank's heads: q, k, v ``[b, s, n/p * d]``. No communication;
+    """softmax(QK^T/sqrt(d))V on this rank's heads: q, k, v ``[b, s, n/p * d]``; the user's full
+    ``key_padding_mask`` and ``document_ids [b, s]`` as they are. No communication;
     attention dropout draws from the TENSOR stream (heads differ across ranks)."""
 
     def __init__(self, head_dim: int, causal: bool = False, dropout: float = 0.0,
@@ -31,10 +32,11 @@ class AttentionCore1D(nn.Module):
     def rng(self):
         return seed(ParallelMode.TENSOR) if self.axis.size > 1 else contextlib.nullcontext()
 
-    def forward(self, q, k, v, key_padding_mask=None):
+    def forward(self, q, k, v, key_padding_mask=None, document_ids=None):
         return attention(q, k, v, self.head_dim, causal=self.causal,
                          key_padding_mask=key_padding_mask,
-                         dropout_p=self.dropout if self.training else 0.0, rng=self.rng)
+                         dropout_p=self.dropout if self.training else 0.0, rng=self.rng,
+                         document_ids=document_ids)
 
 
 def first_token_1d(x: torch.Tensor) -> torch.Tensor:

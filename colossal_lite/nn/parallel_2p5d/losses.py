@@ -15,8 +15,8 @@ from .grid import Grid2p5D, resolve_grid
 
 class AttentionCore2p5D(nn.Module):
     """softmax(QK^T/sqrt(d) + mask)V on q, k, v ``[b', s, h/q]``: heads split over ``row``
-    (``n/q`` heads per rank), batch split. The user's full ``key_padding_mask [b, s]`` is split
-    by batch locally. No communication; attention dropout draws from the TENSOR stream.
+    (``n/q`` heads per rank), batch split. The user's full ``key_padding_mask [b, s]`` and
+    ``document_ids [b, s]`` are split by batch locally. No communication; attention dropout draws from the TENSOR stream.
     """
 
     def __init__(self, head_dim: int, causal: bool = False, dropout: float = 0.0,
@@ -33,7 +33,7 @@ class AttentionCore2p5D(nn.Module):
     def rng(self):
         return seed(ParallelMode.TENSOR) if self.grid.size > 1 else contextlib.nullcontext()
 
-    def forward(self, q, k, v, key_padding_mask=None):
+    def forward(self, q, k, v, key_padding_mask=None, document_ids=None):
         width = q.shape[-1]
         if width % self.head_dim:
             hidden = width * self.grid.q
@@ -43,9 +43,12 @@ class AttentionCore2p5D(nn.Module):
                              f'{self.grid.q}; needs a head count divisible by {self.grid.q}')
         if key_padding_mask is not None:
             key_padding_mask = self.grid.split_batch(key_padding_mask)
+        if document_ids is not None:
+            document_ids = self.grid.split_batch(document_ids)
         return attention(q, k, v, self.head_dim, causal=self.causal,
                          key_padding_mask=key_padding_mask,
-                         dropout_p=self.dropout if self.training else 0.0, rng=self.rng)
+                         dropout_p=self.dropout if self.training else 0.0, rng=self.rng,
+                         document_ids=document_ids)
 
 
 def first_token_2p5d(x: torch.Tensor) -> torch.Tensor:

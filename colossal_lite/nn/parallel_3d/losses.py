@@ -19,7 +19,8 @@ class AttentionCore3D(nn.Module):
     """softmax(QK^T/sqrt(d) + mask)V on q, k, v in the swapped layout (made by 'enter'
     linears): ``[b, s, n*d] -> [b/q^2, s, n/q*d]`` (batch chunk l*q+i, heads chunk j).
 
-    The user's full ``key_padding_mask [b, s]`` is split by batch locally. No
+    The user's full ``key_padding_mask [b, s]`` and ``document_ids [b, s]`` are split by
+    batch locally. No
     communication; attention dropout draws from the TENSOR stream.
     """
 
@@ -37,7 +38,7 @@ class AttentionCore3D(nn.Module):
     def rng(self):
         return seed(ParallelMode.TENSOR) if self.cube.q > 1 else contextlib.nullcontext()
 
-    def forward(self, q, k, v, key_padding_mask=None):
+    def forward(self, q, k, v, key_padding_mask=None, document_ids=None):
         width, parts = q.shape[-1], self.cube.q
         if width % self.head_dim:
             heads = width * parts // self.head_dim
@@ -46,9 +47,12 @@ class AttentionCore3D(nn.Module):
                              f'be divisible by {parts}')
         if key_padding_mask is not None:
             key_padding_mask = split_batch(key_padding_mask, self.cube.swapped, 'key_padding_mask')
+        if document_ids is not None:
+            document_ids = split_batch(document_ids, self.cube.swapped, 'document_ids')
         return attention(q, k, v, self.head_dim, causal=self.causal,
                          key_padding_mask=key_padding_mask,
-                         dropout_p=self.dropout if self.training else 0.0, rng=self.rng)
+                         dropout_p=self.dropout if self.training else 0.0, rng=self.rng,
+                         document_ids=document_ids)
 
 
 def first_token_3d(x: torch.Tensor) -> torch.Tensor:

@@ -176,7 +176,8 @@ class RingAttentionCore(AttentionCore1D):
 
     Ring attention with online softmax (``ring.py``): ``[k; v]`` blocks (n_kv heads) make
     P-1 ring exchanges forward, and P-1 plus P-1 of the fp32 ``[dk; dv]`` accumulators
-    backward. ``key_padding_mask`` is the user's full ``[b, s]`` mask; causal masking
+    backward. ``key_padding_mask`` and ``document_ids`` are the user's full ``[b, s]``
+    tensors (every rank cuts the chunk pairs it computes from them); causal masking
     compares the global positions of the chunks (``SequenceLayout``). The largest
     temporaries are one block's ``[b, n, c, 2c]`` scores (c = s/P or s/2P); attention
     dropout draws one seed per forward from the per-rank TENSOR stream.
@@ -189,7 +190,8 @@ class RingAttentionCore(AttentionCore1D):
 
     head_split = 1  # every rank holds all heads of its sub-sequence
 
-    def forward(self, q, k, v, key_padding_mask=None):
+    def forward(self, q, k, v, key_padding_mask=None, document_ids=None):
         return ring_attention(q, k, v, self.head_dim, self.seq_layout, causal=self.causal,
                               key_padding_mask=key_padding_mask,
-                              dropout_p=self.dropout if self.training else 0.0, rng=self.rng)
+                              dropout_p=self.dropout if self.training else 0.0, rng=self.rng,
+                              document_ids=document_ids)

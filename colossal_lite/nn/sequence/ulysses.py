@@ -60,11 +60,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_di
                       ulysses: ProcessGroupAxis, ring: SequenceLayout, causal: bool = False,
                       key_padding_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                       rng: Callable[[], contextlib.AbstractContextManager]
-                      = contextlib.nullcontext) -> torch.Tensor:
+                      = contextlib.nullcontext,
+                      document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(d) + mask) V of local ``q [b, s/P, n*d]``, ``k, v [b, s/P,
     n_kv*d]`` (module doc): all_to_all over ``ulysses``, attention over the ring block of
     ``ring`` (a one-rank layout: the whole sequence), all_to_all back. ``key_padding_mask``
-    is the user's full ``[b, s]`` mask."""
+    (the user's mask) and ``document_ids`` (packed rows) are full ``[b, s]``."""
     u = ulysses.size
     heads, kv_heads = local_heads(q, k, head_dim)
     check_ulysses_heads(heads, kv_heads, u)
@@ -76,10 +77,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_di
     k_h, v_h = all_to_all_to(torch.stack([k, v]), ulysses, scatter_dim=3, gather_dim=2)
     if ring.size == 1:
         out = attention(q_h, k_h, v_h, head_dim, causal=causal, key_padding_mask=key_padding_mask,
-                        dropout_p=dropout_p, rng=rng)
+                        dropout_p=dropout_p, rng=rng, document_ids=document_ids)
     else:
         out = ring_attention(q_h, k_h, v_h, head_dim, ring, causal=causal,
-                             key_padding_mask=key_padding_mask, dropout_p=dropout_p, rng=rng)
+                             key_padding_mask=key_padding_mask, dropout_p=dropout_p, rng=rng,
+                             document_ids=document_ids)
     return all_to_all_to(out, ulysses, scatter_dim=1, gather_dim=2)
 
 
@@ -109,7 +111,8 @@ class UlyssesAttentionCore(AttentionCore1D):
         split = self.axis.size * self.ring_layout.size > 1
         return seed(ParallelMode.TENSOR) if split else contextlib.nullcontext()
 
-    def forward(self, q, k, v, key_padding_mask=None):
+    def forward(self, q, k, v, key_padding_mask=None, document_ids=None):
         return ulysses_attention(q, k, v, self.head_dim, self.axis, self.ring_layout,
                                  causal=self.causal, key_padding_mask=key_padding_mask,
-                                 dropout_p=self.dropout if self.training else 0.0, rng=self.rng)
+                                 dropout_p=self.dropout if self.training else 0.0, rng=self.rng,
+                                 document_ids=document_ids)
