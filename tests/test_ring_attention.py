@@ -55,8 +55,11 @@ def _record_saved():
 
 
 # ----------------------------------------------------------------- ring vs serial SDPA
-def _ring_worker(rank):
-    layout = sequence_layout()
+def attention_cases(layout, run):
+    """For MHA, GQA and MQA, causal or not, padded or not: ``run(local q, k, v, causal,
+    mask, layout.local(g))`` (it runs the local attention and its backward and returns the
+    output and a dict of what it recorded) against serial SDPA on the full tensors; per
+    case that dict plus ``diffs``: the max relative differences of out, dq, dk, dv."""
     out = {}
     for kv_heads in KV_HEADS:
         q, k, v, g = _inputs(kv_heads)
@@ -67,23 +70,32 @@ def _ring_worker(rank):
                 ref = attention(*full, D, causal=causal, key_padding_mask=mask)
                 ref.backward(g)
                 local = [layout.local(t).detach().clone().requires_grad_() for t in (q, k, v)]
-                hooks, saved = _record_saved()
-                with comm_profile() as stats, record_blocks() as blocks:
-                    with hooks:
-                        res = ring_attention(*local, D, layout, causal=causal,
-                                             key_padding_mask=mask)
-                    res.backward(layout.local(g))
-                out[kv_heads, causal, padded] = dict(
-                    diffs=[max_rel_diff(res.detach(), layout.local(ref.detach()))]
-                    + [max_rel_diff(lt.grad, layout.local(ft.grad)) for lt, ft in zip(local, full)],
-                    sent=stats.bytes(ParallelMode.SEQUENCE, 'send'),
-                    received=stats.bytes(ParallelMode.SEQUENCE, 'recv'),
-                    other=stats.bytes() - stats.bytes(ParallelMode.SEQUENCE),
-                    saved=saved,
-                    forward=[(a, b) for phase, a, b in blocks if phase == 'forward'],
-                    backward=[(a, b) for phase, a, b in blocks if phase == 'backward'],
-                    planned=chunk_pairs(layout, causal))
+                res, record = run(local, causal, mask, layout.local(g))
+                record['diffs'] = ([max_rel_diff(res.detach(), layout.local(ref.detach()))]
+                                   + [max_rel_diff(lt.grad, layout.local(ft.grad))
+                                      for lt, ft in zip(local, full)])
+                out[kv_heads, causal, padded] = record
     return out
+
+
+def _ring_worker(rank):
+    layout = sequence_layout()
+
+    def run(local, causal, mask, grad):
+        hooks, saved = _record_saved()
+        with comm_profile() as stats, record_blocks() as blocks:
+            with hooks:
+                res = ring_attention(*local, D, layout, causal=causal, key_padding_mask=mask)
+            res.backward(grad)
+        return res, dict(
+            sent=stats.bytes(ParallelMode.SEQUENCE, 'send'),
+            received=stats.bytes(ParallelMode.SEQUENCE, 'recv'),
+            other=stats.bytes() - stats.bytes(ParallelMode.SEQUENCE),
+            saved=saved,
+            forward=[(a, b) for phase, a, b in blocks if phase == 'forward'],
+            backward=[(a, b) for phase, a, b in blocks if phase == 'backward'],
+            planned=chunk_pairs(layout, causal))
+    return attention_cases(layout, run)
 
 
 LAYOUTS = [(2, True), (4, True), (2, False), (4, False)]

@@ -17,13 +17,12 @@ from colossal_lite.communication import comm_profile
 from colossal_lite.config import ConfigError, load_config, parse_parallel
 from colossal_lite.context import ParallelMode
 from colossal_lite.context.layout import build_groups
-from colossal_lite.nn.functional import attention
 from colossal_lite.nn.sequence import (SequenceLayout, sequence_axis, sequence_layout,
                                        ulysses_attention)
-from colossal_lite.testing import assert_matches_serial, max_rel_diff, run_distributed
+from colossal_lite.testing import assert_matches_serial, run_distributed
 
 from tests.model_cases import rank_traces, serial_traces
-from tests.test_ring_attention import B, D, HEADS, KV_HEADS, S, TOL, _inputs, _padding
+from tests.test_ring_attention import B, D, HEADS, S, TOL, attention_cases
 
 
 def ulysses_config(p, ring=1, zigzag=True):
@@ -35,28 +34,18 @@ def _ulysses_worker(rank):
     layout = sequence_layout()
     ulysses = sequence_axis(ParallelMode.ULYSSES)
     ring = SequenceLayout.of(sequence_axis(ParallelMode.SEQUENCE_RING))
-    out = {}
-    for kv_heads in KV_HEADS:
-        q, k, v, g = _inputs(kv_heads)
-        for causal in (False, True):
-            for padded in (False, True):
-                mask = _padding() if padded else None
-                full = [t.clone().requires_grad_() for t in (q, k, v)]
-                ref = attention(*full, D, causal=causal, key_padding_mask=mask)
-                ref.backward(g)
-                local = [layout.local(t).detach().clone().requires_grad_() for t in (q, k, v)]
-                with comm_profile() as stats:
-                    res = ulysses_attention(*local, D, ulysses, ring, causal=causal,
-                                            key_padding_mask=mask)
-                    res.backward(layout.local(g))
-                out[kv_heads, causal, padded] = dict(
-                    diffs=[max_rel_diff(res.detach(), layout.local(ref.detach()))]
-                    + [max_rel_diff(lt.grad, layout.local(ft.grad)) for lt, ft in zip(local, full)],
-                    all_to_all=stats.bytes(ParallelMode.ULYSSES, 'all_to_all'),
-                    ring=stats.bytes(ParallelMode.SEQUENCE_RING, 'send'),
-                    other=stats.bytes() - stats.bytes(ParallelMode.ULYSSES)
-                    - stats.bytes(ParallelMode.SEQUENCE_RING))
-    return out
+
+    def run(local, causal, mask, grad):
+        with comm_profile() as stats:
+            res = ulysses_attention(*local, D, ulysses, ring, causal=causal,
+                                    key_padding_mask=mask)
+            res.backward(grad)
+        return res, dict(
+            all_to_all=stats.bytes(ParallelMode.ULYSSES, 'all_to_all'),
+            ring=stats.bytes(ParallelMode.SEQUENCE_RING, 'send'),
+            other=stats.bytes() - stats.bytes(ParallelMode.ULYSSES)
+            - stats.bytes(ParallelMode.SEQUENCE_RING))
+    return attention_cases(layout, run)
 
 
 LAYOUTS = [(2, 1, True), (4, 1, True), (4, 2, True), (4, 2, False)]
