@@ -19,7 +19,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from ..communication import collective as C
 from ..context import ProcessGroupAxis
@@ -54,61 +53,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-BLOCK_ELEMENTS = 1 << 20   # token cross entropy's row blocks: ~4 MB of fp32 each
-
-
-def _block_rows(width: int) -> int:
-    return max(1, BLOCK_ELEMENTS // max(width, 1))
-
-
-class _TokenCrossEntropy(torch.autograd.Function):
-    """``F.cross_entropy(logits.float(), target, reduction='none')`` of whole logits ``[N, C]``,
-    the same losses bit for bit, in row blocks of ~4 MB: the fp32 log-softmax never exists
-    whole. F.cross_entropy keeps it ``[N, C]`` for backward, then zero-fills an ``[N, C]``
-    gradient and runs the log-softmax backward over both; here forward keeps the logits and
-    backward recomputes each block's log-softmax and writes ``g * (softmax - onehot)`` into
-    the gradient, the only ``[N, C]`` buffer it allocates (on the CPU each fresh one costs
-    its page faults: ~12 ms for 32 MB here). The gradient comes back in the logits' dtype."""
-
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index):
-        valid = target != ignore_index
-        safe = torch.where(valid, target, torch.zeros_like(target))
-        rows = _block_rows(logits.shape[-1])
-        picked = torch.cat([torch.log_softmax(z, -1, dtype=torch.float32).gather(-1, t[:, None])
-                            for z, t in zip(logits.split(rows), safe.split(rows))]).squeeze(-1)
-        ctx.save_for_backward(logits, safe, valid)
-        return torch.where(valid, -picked, torch.zeros_like(picked))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss):
-        logits, safe, valid = ctx.saved_tensors
-        g = torch.where(valid, grad_loss, torch.zeros_like(grad_loss)).unsqueeze(-1)
-        grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        rows = _block_rows(logits.shape[-1])
-        for z, out, g_z, t in zip(logits.split(rows), grad.split(rows), g.split(rows),
-                                  safe.split(rows)):
-            torch.exp(torch.log_softmax(z, -1, dtype=torch.float32), out=out)
-            out.mul_(g_z).scatter_add_(-1, t[:, None], -g_z)
-        return grad.to(logits.dtype), None, None
-
-
-def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                        ignore_index: int = -100) -> torch.Tensor:
-    """Per-token fp32 loss ``[N]`` of whole logits ``[N, C]`` (0 where ``target`` is
-    ``ignore_index``), as ``F.cross_entropy(.., reduction='none')``. No communication."""
-    if logits.dim() != 2 or target.shape != logits.shape[:1]:
-        raise ValueError(f'token_cross_entropy needs logits [N, C] and target [N], got '
-                         f'{tuple(logits.shape)} and {tuple(target.shape)}')
-    return _TokenCrossEntropy.apply(logits, target, ignore_index)
-
-
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
                                  axis: ProcessGroupAxis, ignore_index: int = -100) -> torch.Tensor:
     """Per-token loss for logits ``[N, V/p]`` split along the vocabulary over ``axis``."""
     if axis.size == 1:
-        return token_cross_entropy(logits, target, ignore_index)
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index,
+                               reduction='none')
     return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index)
 
 
@@ -133,7 +83,8 @@ def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     ``vocab_axis``, or whole when it is None) against labels ``[..]`` of the same leading shape."""
     flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     if vocab_axis is None:
-        return token_cross_entropy(flat_logits, flat_labels, ignore_index)
+        return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=ignore_index,
+                               reduction='none')
     return vocab_parallel_cross_entropy(flat_logits, flat_labels, vocab_axis, ignore_index)
 
 

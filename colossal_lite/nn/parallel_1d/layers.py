@@ -31,7 +31,6 @@ from ...context import ParallelMode, ProcessGroupAxis, current_context, seed
 from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
 from ...tensor.adjacent import join_rows
 from ..functional import check_ids, vocab_range_lookup
-from ..gemm import linear
 from .overlap import column_matmul, column_matmul_rows
 
 def default_axis() -> ProcessGroupAxis:
@@ -156,10 +155,10 @@ class RowLinear1D(ShardedModule):
             x = split_to(x, self.axis, -1)
         seq_dim = tokens_dim(self.seq_dim, x)
         if seq_dim is None:
-            y = reduce_from(linear(x, self.weight), self.axis, inplace=True)
+            y = reduce_from(F.linear(x, self.weight), self.axis, inplace=True)
             return y + self.bias if self.bias is not None else y
         check_sequence_block(x.shape[seq_dim], self.axis)
-        y = reduce_scatter_to(linear(x, self.weight), self.axis, seq_dim)
+        y = reduce_scatter_to(F.linear(x, self.weight), self.axis, seq_dim)
         return y + copy_to(self.bias, self.axis) if self.bias is not None else y
 
 
@@ -443,7 +442,7 @@ class Classifier1D(ShardedModule):
                                   init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
-        y = reduce_from(linear(split_to(x, self.axis, -1), self.weight), self.axis, inplace=True)
+        y = reduce_from(F.linear(split_to(x, self.axis, -1), self.weight), self.axis, inplace=True)
         return tag(y + self.bias if self.bias is not None else y)
 
 

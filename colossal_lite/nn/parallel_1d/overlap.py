@@ -12,19 +12,17 @@ reduce_scatters dx while dW is computed, so only the local chunk of x is kept.
 The counts equal ``copy_to`` + ``F.linear``: one all_reduce of dx per call. Under
 autocast the operands are cast as autocast would cast them and saved in that dtype, so
 backward needs no autocast context; gradients are returned in the inputs' dtypes.
-The three matmuls (and the serial ones, one rank) are ``nn.gemm``'s: oneDNN for fp32 on
-the CPU.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ...communication import collective as C
 from ...context import ProcessGroupAxis
 from ...tensor.adjacent import join_rows, joined_rows
-from ..gemm import forward_linear, input_grad, linear, weight_grad
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -57,7 +55,7 @@ class _ColumnMatmul(torch.autograd.Function):
             bias = None if bias is None else bias.to(cast)
         full = x if seq_dim is None else C.all_gather(x, axis, seq_dim)
         with torch.autocast(device_type=device_type, enabled=False):
-            y = forward_linear(full, weight, bias)
+            y = F.linear(full, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.axis, ctx.seq_dim, ctx.has_bias = axis, seq_dim, bias is not None
         return y
@@ -69,14 +67,14 @@ class _ColumnMatmul(torch.autograd.Function):
         dy = dy.to(weight.dtype)
         if ctx.seq_dim is None:
             full = x
-            pending = C.all_reduce(input_grad(dy, weight), ctx.axis, async_op=True, inplace=True)
+            pending = C.all_reduce(dy.matmul(weight), ctx.axis, async_op=True, inplace=True)
         else:
             gathering = C.all_gather(x, ctx.axis, ctx.seq_dim, async_op=True)
-            dx_full = input_grad(dy, weight)
+            dx_full = dy.matmul(weight)
             full = gathering.wait()
             pending = C.reduce_scatter(dx_full, ctx.axis, ctx.seq_dim, async_op=True)
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dw = weight_grad(dy2d, full.reshape(-1, full.shape[-1])).to(w_dtype).split(ctx.rows)
+        dw = dy2d.t().matmul(full.reshape(-1, full.shape[-1])).to(w_dtype).split(ctx.rows)
         db = dy2d.sum(0).to(b_dtype).split(ctx.rows) if ctx.has_bias else ()
         return (pending.wait().to(x_dtype), None, None, None) + dw + db
 
@@ -86,7 +84,7 @@ def column_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """``F.linear(copy_to(x, axis), weight, bias)`` with the overlapped backward above;
     ``seq_dim``: x is split along it (sequence parallelism), gathered here."""
     if axis.size == 1:
-        return linear(x, weight, bias)
+        return F.linear(x, weight, bias)
     return _ColumnMatmul.apply(x, axis, seq_dim, 1, weight, *(() if bias is None else (bias,)))
 
 
@@ -97,5 +95,5 @@ def column_matmul_rows(x: torch.Tensor, weights: Sequence[torch.Tensor],
     bias): no copy when they are adjacent (``tensor.adjacent``), and one autograd node
     for the join and the matmul when ``axis`` has more than one rank."""
     if axis.size == 1:
-        return linear(x, *join_rows(weights, biases))
+        return F.linear(x, *join_rows(weights, biases))
     return _ColumnMatmul.apply(x, axis, seq_dim, len(weights), *weights, *(biases or ()))
