@@ -60,6 +60,11 @@ class _CallersFd:
         return _detach, (reduction.DupFd(self.fd),)
 
 
+# the variables by which an elastic agent tells its workers they were restarted
+# (``run_state.restart_count``); a caller's stale copy must not make ranks resume
+RESTART_ENV = ('COLOSSAL_LITE_ATTEMPT', 'TORCHELASTIC_RESTART_COUNT')
+
+
 def _rank_main(rank, world_size, port, payload, queue, collective_timeout, env, stack_dir,
                stdout_fd, stderr_fd):
     """One rank: the caller's stdout/stderr and environment, stacks to ``stack_dir/rank`` on
@@ -69,6 +74,8 @@ def _rank_main(rank, world_size, port, payload, queue, collective_timeout, env, 
     os.dup2(stderr_fd, 2)
     os.environ.clear()
     os.environ.update(env, OMP_NUM_THREADS='1')
+    for key in RESTART_ENV:   # these ranks are never an elastic agent's restarted workers
+        os.environ.pop(key, None)
     stacks = open(os.path.join(stack_dir, str(rank)), 'w')   # open while the rank runs
     setup_process(stacks)
     try:
