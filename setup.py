@@ -43,7 +43,7 @@ setup(
     packages=find_packages(include=['colossal_lite', 'colossal_lite.*', 'model_zoo', 'model_zoo.*']),
     package_data={'colossal_lite': ['data/shakespeare/*.txt', 'auto/profiles/*.json']},
     python_requires='>=3.9',
-    install_requires=['torch>=2.1', 'numpy', 'tqdm', 'ninja'],
+    install_requires=['torch>=2.1', 'numpy', 'tqdm', 'ninja', 'scipy>=1.9'],  # scipy: the graph ILP
     extras_require=EXTRAS,
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,

@@ -1,0 +1,308 @@
+"""Prices of the search space: per-strategy compute and memory, per-edge redistribution.
+
+**Compute** of a node, forward + backward = ``3 * flops / (rate * ways) + 3 * overhead``, where
+``ways`` is the product of the mesh axes its output is Shard or Partial on (the work is split
+there), ``rate`` the profile's FLOP rate and ``overhead`` its per-kernel time. Flops:
+``2 M K N`` for mm/addmm (times the batch for bmm), ``4 B H Sq Sk D`` for attention, ``2 *
+out * Cin/groups * prod(kernel)`` for convolution, the output's element count otherwise.
+
+**Redistribution** of a tensor of B bytes from placements ``src`` to ``dst``, one mesh axis i
+(size p, ranks ``stride_i`` apart) at a time, innermost axis first as DTensor does, with
+``b`` = B over the other axes' Shard ways at that moment (what one rank holds there):
+
+=============  ==============  ================
+src -> dst     collective      buffer bytes
+=============  ==============  ================
+S -> R         all_gather      b
+P -> R         all_reduce      b
+P -> S         reduce_scatter  b
+S(a) -> S(c)   all_to_all      b / p (all_gather b on CPU)
+R -> S         (local slice)   0
+x -> P         not allowed     (infinite)
+=============  ==============  ================
+
+Time is ``ClusterProfile.group_time(op, bytes, stride_i, p)`` (α-β). **Backward** of an edge
+moves the gradient the other way: the consumer's input gradient is ``S`` where the input was
+``S``, ``R`` where it was ``P``, and ``P`` where it was ``R`` and the consumer splits its work
+on that axis (else ``R``); it is redistributed to the producer's placements with any ``P``
+read as ``R``. Parameters are priced the same way (their ``P`` gradient is all-reduced: data
+parallelism's gradient sum).
+
+**Memory** per rank: a parameter ``(1 + 1 + states) * bytes / ways`` (weight, gradient and
+``states`` optimizer buffers: 2 for Adam); a buffer, constant or input ``bytes / ways``; an
+op's output ``bytes / ways`` (kept for backward; views cost nothing). The sum bounds the
+activation liveness peak at the end of the forward from above.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from ..cluster import ClusterProfile
+from .solver import Edge, Problem
+from .space import Space
+from .plan import names
+from .strategies import VIEW_OPS
+
+aten = torch.ops.aten
+INF = math.inf     # an impossible redistribution (to Partial): a forbidden pair
+ALIASES = VIEW_OPS | {aten.permute.default, aten.t.default, aten.transpose.int,
+                      aten.slice.Tensor, aten.alias.default, aten.select.int,
+                      aten.split.Tensor, aten.split_with_sizes.default}
+
+
+def _numel(t: torch.Tensor) -> int:
+    return int(math.prod(t.shape))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return _numel(t) * t.element_size()
+
+
+def flops(node: torch.fx.Node) -> float:
+    """Forward FLOPs of one node (see the module doc)."""
+    out = node.meta.get('val')
+    op = node.target
+    args = [a.meta.get('val') if isinstance(a, torch.fx.Node) else a for a in node.args]
+    if op in (aten.mm.default, aten.addmm.default):
+        a, b = (args[1], args[2]) if op is aten.addmm.default else (args[0], args[1])
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    if op is aten.bmm.default:
+        a, b = args[0], args[1]
+        return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    if op is aten.scaled_dot_product_attention.default:
+        q, k = args[0], args[1]
+        return 4.0 * _numel(q) * k.shape[-2]
+    if op is aten.convolution.default:
+        w = args[1]
+        return 2.0 * _numel(out) * _numel(w[0]) / max(1, args[8] if len(args) > 8 else 1)
+    if isinstance(out, torch.Tensor):
+        return float(_numel(out))
+    if isinstance(out, (tuple, list)):
+        return float(sum(_numel(o) for o in out if isinstance(o, torch.Tensor)))
+    return 0.0
+
+
+def _classes(items: list) -> Tuple[np.ndarray, list]:
+    """(class index of each item, the distinct items in first-seen order)."""
+    index: Dict[object, int] = {}
+    ids = [index.setdefault(x, len(index)) for x in items]
+    return np.asarray(ids, dtype=np.int64), list(index)
+
+
+def _ways(placements, mesh_shape) -> int:
+    ways = 1
+    for p, k in zip(placements, mesh_shape):
+        if isinstance(p, (Shard, Partial)):
+            ways *= k
+    return ways
+
+
+def _shard_ways(placements, mesh_shape) -> int:
+    ways = 1
+    for p, k in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            ways *= k
+    return ways
+
+
+class GraphCost:
+    """See the module doc. ``states``: optimizer buffers per parameter element;
+    ``all_to_all=False`` prices a Shard -> Shard move as DTensor runs it on CPU process
+    groups (all_gather of the axis, then a local chunk)."""
+
+    def __init__(self, space: Space, cluster: ClusterProfile, states: int = 2,
+                 all_to_all: bool = True):
+        self.space = space
+        self.all_to_all = all_to_all
+        self.cluster = cluster
+        self.states = states
+        self.mesh_shape = space.mesh_shape
+        self.strides = [int(math.prod(self.mesh_shape[i + 1:])) for i in range(len(self.mesh_shape))]
+        self._steps: Dict[tuple, tuple] = {}
+        self._names: Dict[int, List[tuple]] = {}
+        self.overhead = float(cluster.compute.get('kernel_overhead_s', 0.0)) \
+            if isinstance(cluster.compute, dict) else 0.0
+
+    # ------------------------------------------------------------------ collectives
+    # placements travel as names here ('R', 'S<d>', 'P'): hashing them is cheap
+    def collectives(self, nbytes: int, src, dst) -> Optional[List[Tuple[str, int, int]]]:
+        """``(op, axis, buffer bytes)`` turning ``src`` into ``dst`` for a tensor of
+        ``nbytes``; None if impossible. Axes are converted innermost first (DTensor's
+        order), each at the sharding the other axes have at that moment."""
+        if any(d[0] == 'P' and s != d for s, d in zip(src, dst)):
+            return None
+        steps = []
+        now = list(src)
+        for axis in reversed(range(len(now))):
+            s, d, k = now[axis], dst[axis], self.mesh_shape[axis]
+            if s == d or k == 1:
+                now[axis] = d
+                continue
+            other = 1
+            for j, (p, kj) in enumerate(zip(now, self.mesh_shape)):
+                if j != axis and p[0] == 'S':
+                    other *= kj
+            b = nbytes // other
+            if s[0] == 'S' and d[0] == 'S':
+                steps.append(('all_to_all', axis, b // k) if self.all_to_all
+                             else ('all_gather', axis, b))
+            elif s[0] == 'S':
+                steps.append(('all_gather', axis, b))
+            elif s[0] == 'P':
+                steps.append(('all_reduce' if d == 'R' else 'reduce_scatter', axis, b))
+            now[axis] = d
+        return steps
+
+    def seconds(self, steps) -> float:
+        if steps is None:
+            return INF
+        return sum(self.cluster.group_time(op, b, self.strides[a], self.mesh_shape[a])
+                   for op, a, b in steps)
+
+    @staticmethod
+    def _grad_placements(dst, consumer_out) -> tuple:
+        return tuple('R' if d[0] == 'P' else ('P' if o[0] in 'SP' else 'R') if d == 'R' else d
+                     for d, o in zip(dst, consumer_out))
+
+    def edge_steps(self, nbytes: int, src, dst, consumer_out, needs_grad: bool):
+        """Forward and backward collectives of one edge (None when impossible)."""
+        key = (nbytes, src, dst, consumer_out, needs_grad)
+        hit = self._steps.get(key)
+        if hit is None:
+            fwd = self.collectives(nbytes, src, dst)
+            bwd = []
+            if fwd is not None and needs_grad:
+                want = tuple('R' if p[0] == 'P' else p for p in src)
+                bwd = self.collectives(nbytes, self._grad_placements(dst, consumer_out),
+                                       want) or []
+            hit = self._steps[key] = (fwd, bwd, INF if fwd is None else
+                                      self.seconds(fwd) + self.seconds(bwd))
+        return hit
+
+    # ------------------------------------------------------------------ per decision
+    def _loss_steps(self, strategy_codes) -> list:
+        """The loss's gather to every rank (``full_tensor``) from its producer's output."""
+        i, out = self.space.loss
+        meta = self.space.output_meta(i, out)
+        rep = tuple('R' for _ in self.mesh_shape)
+        return self.edge_steps(_nbytes(meta), strategy_codes[1][out], rep, rep, False)[0]
+
+    def node_cost(self, i: int) -> np.ndarray:
+        cost = self._node_cost(i)
+        if i == self.space.loss[0]:
+            cost = cost + np.asarray([self.seconds(self._loss_steps(c)) for c in self._codes(i)])
+        return cost
+
+    def _node_cost(self, i: int) -> np.ndarray:
+        d = self.space.decisions[i]
+        if d.kind != 'op':
+            return np.zeros(len(d.strategies))
+        f = flops(d.node)
+        if d.node.target in ALIASES:
+            return np.zeros(len(d.strategies))
+        costs = []
+        for st in d.strategies:
+            out = st.outputs[0] if st.outputs and st.outputs[0] is not None else ()
+            ways = _ways(out, self.mesh_shape) if out else 1
+            costs.append(3.0 * f / (self.cluster.flops * ways) + 3.0 * self.overhead)
+        return np.asarray(costs)
+
+    def memory(self, i: int) -> np.ndarray:
+        d = self.space.decisions[i]
+        if d.kind == 'op' and d.node.target in ALIASES:
+            return np.zeros(len(d.strategies))
+        metas = [m for m in [self.space.output_meta(i, j) for j in range(8)] if m is not None] \
+            if d.kind == 'op' else [d.node.meta['val']]
+        factor = (2 + self.states) if d.kind == 'param' else 1
+        mem = []
+        for st in d.strategies:
+            total = 0.0
+            for j, m in enumerate(metas):
+                p = st.outputs[j] if j < len(st.outputs) and st.outputs[j] is not None else ()
+                total += _nbytes(m) / _shard_ways(p, self.mesh_shape)
+            mem.append(factor * total)
+        return np.asarray(mem)
+
+    def _needs_grad(self, producer: int, meta: torch.Tensor) -> bool:
+        return meta.is_floating_point() and \
+            self.space.decisions[producer].kind not in ('buffer', 'constant', 'input')
+
+    def _codes(self, i: int):
+        """Per strategy of decision i: (input names per slot, output names per output,
+        the consumer-side output names used for gradient duals)."""
+        if i not in self._names:
+            rep = tuple('R' for _ in self.mesh_shape)
+            codes = []
+            for st in self.space.decisions[i].strategies:
+                ins = tuple(None if p is None else tuple(names(p)) for p in st.inputs)
+                outs = tuple(None if p is None else tuple(names(p)) for p in st.outputs)
+                codes.append((ins, outs, outs[0] if outs and outs[0] is not None else rep))
+            self._names[i] = codes
+        return self._names[i]
+
+    def edges(self) -> List[Edge]:
+        """One cost matrix [producer strategies, consumer strategies] per tensor input,
+        built over the distinct placements on each side."""
+        edges = []
+        for j, d in enumerate(self.space.decisions):
+            cons = self._codes(j)
+            for slot, prod in enumerate(d.producers):
+                if prod is None:
+                    continue
+                i, out = prod
+                meta = self.space.output_meta(i, out)
+                nbytes, grad = _nbytes(meta), self._needs_grad(i, meta)
+                src_ids, srcs = _classes([c[1][out] for c in self._codes(i)])
+                dst_ids, dsts = _classes([(c[0][slot], c[2]) for c in cons])
+                small = np.array([[self.edge_steps(nbytes, src, dst, out_of, grad)[2]
+                                   for dst, out_of in dsts] for src in srcs])
+                edges.append(Edge(i, j, small[np.ix_(src_ids, dst_ids)]))
+        return edges
+
+    def problem(self, budget: Optional[float] = None, groups=()) -> Problem:
+        n = len(self.space)
+        return Problem(node_costs=[self.node_cost(i) for i in range(n)], edges=self.edges(),
+                       memory=[self.memory(i) for i in range(n)], budget=budget,
+                       groups=list(groups))
+
+    def moves(self, choice: Sequence[int], axis_names: Sequence[str]) -> Dict[str, List[str]]:
+        """Per op node, the forward collectives the plan inserts before it, as text."""
+        out: Dict[str, List[str]] = {}
+        for j, d in enumerate(self.space.decisions):
+            ins, _, cons = self._codes(j)[choice[j]]
+            for slot, prod in enumerate(d.producers):
+                if prod is None:
+                    continue
+                i, o = prod
+                meta = self.space.output_meta(i, o)
+                src = self._codes(i)[choice[i]][1][o]
+                fwd, _, _ = self.edge_steps(_nbytes(meta), src, ins[slot], cons, False)
+                for op, axis, b in fwd or []:
+                    out.setdefault(d.name, []).append(
+                        f'{op}({axis_names[axis]}, {b} B) of {self.space.decisions[i].name}')
+        return out
+
+    def comm_bytes(self, choice: Sequence[int]) -> Dict[str, int]:
+        """Predicted buffer bytes per collective for one step (forward + backward)."""
+        out: Dict[str, int] = {}
+        for j, d in enumerate(self.space.decisions):
+            ins, _, cons = self._codes(j)[choice[j]]
+            for slot, prod in enumerate(d.producers):
+                if prod is None:
+                    continue
+                i, o = prod
+                meta = self.space.output_meta(i, o)
+                src = self._codes(i)[choice[i]][1][o]
+                fwd, bwd, _ = self.edge_steps(_nbytes(meta), src, ins[slot], cons,
+                                              self._needs_grad(i, meta))
+                for op, _, b in (fwd or []) + (bwd or []):
+                    out[op] = out.get(op, 0) + b
+        loss = self.space.loss[0]
+        for op, _, b in self._loss_steps(self._codes(loss)[choice[loss]]) or []:
+            out[op] = out.get(op, 0) + b
+        return out

@@ -1,0 +1,232 @@
+"""Graph-level auto-parallelism (colossal_lite/auto/graph): capture, strategies, plans,
+errors, and the Engine path equal to the serial model. The per-architecture matrix is in
+tests/test_auto_graph_models.py."""
+import json
+import random
+import warnings
+
+import pytest
+import torch
+
+from colossal_lite.auto.cluster import load_profile
+from colossal_lite.auto.graph import GraphBreakError, Plan, capture, resolve_mesh
+from colossal_lite.auto.graph.api import NoPlanFits, search
+from colossal_lite.auto.graph.space import Space
+from colossal_lite.auto.graph.strategies import axis_strategies, placement_name
+from colossal_lite.config.checks import ConfigError
+from colossal_lite.testing import run_distributed
+from colossal_lite.testing.compare import max_rel_diff
+
+transformers = pytest.importorskip('transformers')
+
+MESH = {'data': 2, 'tensor': 2}
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def lm_loss(out, ids):
+    return out.loss
+
+
+class WithLabels(torch.nn.Module):
+    """A causal LM called as ``model(ids)`` with the ids as labels."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, labels=ids, use_cache=False)
+
+
+def ids_batch():
+    return torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+
+
+def llama_space(mesh_shape=(2, 2)):
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        cap = capture(WithLabels(tiny_llama()), (ids_batch(),), lm_loss)
+        return Space(cap, mesh_shape)
+
+
+# ------------------------------------------------------------------ capture and errors
+class DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:      # the graph break: Python control flow on a tensor value
+            y = y * 2
+        return y.sum()
+
+
+def test_untraceable_model_names_the_graph_break_and_line():
+    with pytest.raises(GraphBreakError) as err:
+        capture(DataDependent(), (torch.randn(2, 4),))
+    text = str(err.value)
+    assert 'DataDependent' in text and 'data-dependent' in text
+    assert 'test_auto_graph.py' in text and 'if y.sum() > 0' in text
+
+
+def test_mesh_must_match_the_world():
+    assert resolve_mesh({'data': 2, 'tensor': 4}, 8) == {'data': 2, 'tensor': 4}
+    assert resolve_mesh((2, 2, 2), 8) == {'data': 2, 'tensor': 2, 'tensor2': 2}
+    assert resolve_mesh((4,), 4) == {'tensor': 4}
+    with pytest.raises(ConfigError, match=r'has 6 devices but the world has 4'):
+        resolve_mesh({'data': 3, 'tensor': 2}, 4)
+    with pytest.raises(ConfigError, match='1 to 3 axes'):
+        resolve_mesh((1, 1, 2, 2), 4)
+
+
+def test_mm_strategies_are_the_sbp_signatures():
+    """On one axis DTensor's rules give a matmul exactly AutoDDL's signatures: data (S0 x B),
+    column (B x S1), row (S1 x S0 -> P), partial passing through, and all-replicated."""
+    space = llama_space()
+    mm = next(d for d in space.decisions if str(d.node.target) == 'aten.mm.default')
+    rules, ruled = axis_strategies(mm.node, 2)
+    got = {(tuple(placement_name(p[0]) for p in r.inputs), placement_name(r.outputs[0][0]))
+           for r in rules}
+    assert ruled
+    assert got == {(('R', 'R'), 'R'), (('S0', 'R'), 'S0'), (('R', 'S1'), 'S1'),
+                   (('S1', 'S0'), 'P'), (('P', 'R'), 'P'), (('R', 'P'), 'P')}
+
+
+def test_plan_is_json_and_explains_itself():
+    space = llama_space()
+    plan = search(space, load_profile('nvlink8'), 0.0004, 'fast', MESH)
+    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again == plan
+    text = plan.explain()
+    assert 'aten.mm.default' in text and 'aten.scaled_dot_product_attention' in text
+    assert 'no sharding rule (run replicated): aten.index.Tensor' in text
+    assert 'collectives per step' in text
+    assert any('S' in ''.join(p) for p in plan.params.values())   # the budget forced shards
+    with pytest.raises(ValueError, match='unknown plan keys'):
+        Plan.from_json(dict(plan.to_json(), extra=1))
+
+
+def test_a_budget_no_plan_meets_names_the_smallest_peak():
+    space = llama_space()
+    with pytest.raises(NoPlanFits, match=r'memory_gb=1e-06 .* smallest predicted peak is'):
+        search(space, load_profile('nvlink8'), 1e-6, 'fast', MESH)
+
+
+# ------------------------------------------------------------------ 4 ranks: Engine path
+def _serial_steps(ids, steps, clip):
+    model = WithLabels(tiny_llama())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+    losses = []
+    for _ in range(steps):
+        loss = lm_loss(model(ids), ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _engine_steps(rank, ids, steps, clip):
+    warnings.simplefilter('ignore')
+    import colossal_lite
+    from colossal_lite.auto import parallelize
+    from colossal_lite.communication.profile import comm_profile
+    model = WithLabels(tiny_llama())
+    pmodel, plan = parallelize(model, (ids,), loss_fn=lm_loss, mesh=MESH, memory_gb=0.0004)
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2, eps=1e-3)
+    engine, *_ = colossal_lite.initialize(pmodel, opt, config=dict(clip_grad_norm=clip))
+    losses = []
+    with comm_profile() as stats:
+        for _ in range(steps):
+            loss = engine(ids)
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+    params = {n: p.full_tensor().detach() for n, p in pmodel.named_parameters()}
+    return losses, params, plan.params, stats.bytes(), pmodel.last_deviations
+
+
+def test_engine_trains_an_auto_plan_equal_to_serial_with_clipping():
+    ids, steps, clip = ids_batch(), 3, 0.5
+    serial_losses, serial_params = _serial_steps(ids, steps, clip)
+    results = run_distributed(_engine_steps, 4, None, ids, steps, clip, timeout=240)
+    for losses, params, placements, comm_bytes, deviations in results:
+        assert max(abs(a - b) for a, b in zip(losses, serial_losses)) < 1e-5
+        for name, value in serial_params.items():
+            assert max_rel_diff(params[name], value) < 1e-5, name
+        assert any('S' in ''.join(p) for p in placements.values())
+        assert comm_bytes > 0 and deviations == {}
+
+
+# ------------------------------------------------------------------ checkpoints
+def _train_and_save(rank, ids, path, plan_seed):
+    """Two steps under a solved plan, save; then a fresh model under another (random) plan
+    loads the checkpoint and takes the third step."""
+    warnings.simplefilter('ignore')
+    import colossal_lite
+    from colossal_lite import checkpoint
+    from colossal_lite.auto import parallelize
+    from colossal_lite.auto.graph.api import plan_from_choice
+    from colossal_lite.auto.graph.space import random_choice
+
+    def engine_for(plan=None):
+        model = WithLabels(tiny_llama())
+        pmodel, plan = parallelize(model, (ids,), loss_fn=lm_loss, mesh=MESH,
+                                   memory_gb=0.0004, plan=plan)
+        opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2, eps=1e-3)
+        return colossal_lite.initialize(pmodel, opt, config={})[0], pmodel, plan
+
+    def step(engine):
+        loss = engine(ids)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        return loss.item()
+
+    engine, _, first = engine_for()
+    losses = [step(engine), step(engine)]
+    checkpoint.save(path, engine)
+    space = llama_space()
+    other = plan_from_choice(space, random_choice(space, random.Random(plan_seed)), MESH,
+                             'random', 0.0, {})
+    assert other.params != first.params
+    engine, pmodel, _ = engine_for(other)
+    checkpoint.load(path, engine)
+    losses.append(step(engine))
+    params = {n: p.full_tensor().detach() for n, p in pmodel.named_parameters()}
+    return losses, params
+
+
+def test_auto_plan_checkpoint_resumes_under_another_plan_and_serially(tmp_path):
+    import colossal_lite
+    from colossal_lite import checkpoint
+    ids = ids_batch()
+    serial_losses, serial_params = _serial_steps(ids, 3, clip=1e9)
+    path = str(tmp_path / 'ckpt')
+    results = run_distributed(_train_and_save, 4, None, ids, path, 7, timeout=240)
+    for losses, params in results:
+        assert max(abs(a - b) for a, b in zip(losses, serial_losses)) < 1e-5
+        for name, value in serial_params.items():
+            assert max_rel_diff(params[name], value) < 1e-5, name
+    # the same checkpoint (saved after 2 steps) loads into a plain serial engine
+    model = WithLabels(tiny_llama())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+    engine = colossal_lite.initialize(model, opt, config={})[0]
+    checkpoint.load(path, engine)
+    loss = engine(ids)
+    loss = lm_loss(loss, ids)
+    engine.backward(loss)
+    engine.step()
+    assert abs(loss.item() - serial_losses[2]) < 1e-5
+    for name, p in model.named_parameters():
+        assert max_rel_diff(p.detach(), serial_params[name]) < 1e-5, name
