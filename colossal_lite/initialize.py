@@ -72,6 +72,9 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, criteri
     launch.
     """
     settings = load_config(config).settings if config is not None else _launched_settings()
+    if getattr(model, 'synchronizes_gradients', False):   # auto.parallelize's DTensor model
+        return _initialize_self_synchronizing(settings, model, optimizer, criterion,
+                                              train_dataloader, test_dataloader, lr_scheduler)
     if not check_meta_model(settings.zero, model):  # a meta model goes straight into ZeRO-3
         model.to(gpc.device)
         broadcast_parameters(model)
@@ -83,6 +86,25 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, criteri
                     gradient_handler=handler or build_gradient_handler(settings, model), amp=amp,
                     clip_grad_norm=settings.engine.clip_grad_norm,
                     num_microbatches=num_microbatches, schedule=schedule)
+    return engine, train_dataloader, test_dataloader, lr_scheduler
+
+
+def _initialize_self_synchronizing(settings: Settings, model, optimizer, criterion,
+                                   train_dataloader, test_dataloader, lr_scheduler):
+    """A model whose parameters are DTensors placed by a graph plan: its weights are
+    already identical where replicated and its gradients already summed by the plan, so no
+    broadcast and no data-parallel handler; AMP, clipping and micro-steps as usual."""
+    if settings.zero is not None:
+        raise NotImplementedError(f'zero stage {settings.zero.stage} with a graph-planned '
+                                  f'model: the plan already shards what it shards; drop zero '
+                                  f'or use a hand layout')
+    if settings.pipeline.size > 1:
+        raise NotImplementedError('parallel.pipeline > 1 with a graph-planned model: the '
+                                  'graph planner does not cut stages yet')
+    amp = build_amp(settings.amp.as_dict(), model, optimizer)
+    engine = Engine(amp.model, amp.optimizer, criterion, gradient_handler=None, amp=amp,
+                    clip_grad_norm=settings.engine.clip_grad_norm,
+                    num_microbatches=settings.pipeline.num_microbatches)
     return engine, train_dataloader, test_dataloader, lr_scheduler
 
 

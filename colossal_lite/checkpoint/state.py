@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..context import ParallelMode, seed_manager
 from ..tensor import param_placement, to_dtensor
@@ -126,7 +127,9 @@ def _full_optimizer_state(engine) -> Dict[str, Dict[str, object]]:
     for name, p, t in optimizer_params(engine):
         placement = param_placement(p)
         for slot, value in optimizer.state.get(t, {}).items():
-            if torch.is_tensor(value) and value.dim() > 0:
+            if isinstance(value, DTensor):
+                value = value.full_tensor().detach()
+            elif torch.is_tensor(value) and value.dim() > 0:
                 value = placement.gather(value.detach())
             state.setdefault(name, {})[slot] = value
     return state
@@ -139,7 +142,8 @@ def tensor_state(engine) -> Dict[str, torch.Tensor]:
         flat = _zero_weights(engine)
         masters = {}
     else:
-        flat = {MODEL + k: v.detach() for k, v in engine.model.state_dict().items()}
+        flat = {MODEL + k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+                for k, v in engine.model.state_dict().items()}
         masters = _masters(engine)
     for name, p in _model_params(engine.model):
         if id(p) in masters:
@@ -186,6 +190,9 @@ def sharded_tensor_state(engine, views: DTensorViews) -> Dict[str, torch.Tensor]
         flat = _zero_weights(engine)
     else:
         for name, p in _model_params(engine.model):
+            if isinstance(p, DTensor):    # placed by a graph plan: its own DTensor
+                flat[MODEL + name] = p.detach()
+                continue
             placement, weight = param_placement(p), masters.get(id(p), p).detach()
             dt = views.view(weight, placement)
             flat[MODEL + name] = dt if dt is not None else placement.gather(weight)
@@ -199,7 +206,9 @@ def sharded_tensor_state(engine, views: DTensorViews) -> Dict[str, torch.Tensor]
         for name, p, t in optimizer_params(engine):
             placement = param_placement(p)
             for slot, value in optimizer.state.get(t, {}).items():
-                if torch.is_tensor(value) and value.dim() > 0:
+                if isinstance(value, DTensor):
+                    value = value.detach()
+                elif torch.is_tensor(value) and value.dim() > 0:
                     dt = views.view(value.detach(), placement)
                     value = dt if dt is not None else placement.gather(value.detach())
                 slots.setdefault(name, {})[slot] = value
@@ -226,6 +235,11 @@ def sharded_targets(engine, saved: dict, views: DTensorViews) -> Dict[str, torch
         p = params.get(key)
         if p is None:
             p = params.get(key[:key.rfind('.') + 1])
+        if isinstance(p, DTensor) and tuple(meta.size) == tuple(p.shape):
+            same = key.startswith(MODEL) and p.dtype == meta.properties.dtype
+            out[key] = p.detach() if same else \
+                torch.empty_like(p.detach(), dtype=meta.properties.dtype)
+            continue
         placement = param_placement(p) if p is not None else None
         if placement is not None and tuple(meta.size) == placement.shape:
             weight = masters.get(id(p), p).detach() if key.startswith(MODEL) else None
@@ -246,7 +260,6 @@ def sharded_targets(engine, saved: dict, views: DTensorViews) -> Dict[str, torch
 def load_sharded_tensor_state(engine, flat: Dict[str, torch.Tensor]) -> None:
     """Load what :func:`sharded_targets` received: DTensor entries are this rank's shards,
     the others full tensors cut as :func:`load_tensor_state` does (no communication)."""
-    from torch.distributed.tensor import DTensor
     if _weights_in_zero_masters(engine):
         _load_zero_weights(engine, flat)
         load_tensor_state_optimizer(engine, flat)
@@ -256,7 +269,8 @@ def load_sharded_tensor_state(engine, flat: Dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, p in _model_params(engine.model):
             if MODEL + name in local:
-                p.copy_(local[MODEL + name].to_local())
+                (p.to_local() if isinstance(p, DTensor) else p).copy_(
+                    local[MODEL + name].to_local())
     model_full = {k[len(MODEL):]: v for k, v in full.items() if k.startswith(MODEL)}
     if model_full:
         engine.model.load_state_dict(model_full, strict=False)
@@ -323,7 +337,6 @@ def load_tensor_state(engine, flat: Dict[str, torch.Tensor]) -> None:
 
 def _load_plain_optimizer(engine, slots: Dict[str, Dict[str, torch.Tensor]]) -> None:
     """Each slot cut with its parameter's placement (or a DTensor's local shard)."""
-    from torch.distributed.tensor import DTensor
     optimizer = engine.optimizer
     for name, p, t in optimizer_params(engine):
         if name not in slots:
@@ -331,11 +344,14 @@ def _load_plain_optimizer(engine, slots: Dict[str, Dict[str, torch.Tensor]]) -> 
         placement = param_placement(p)
         state = {}
         for slot, value in slots[name].items():
-            if isinstance(value, DTensor):  # already this rank's shard
+            if isinstance(value, DTensor) and isinstance(t, DTensor):  # a graph plan's
+                value = value.redistribute(t.device_mesh, t.placements).to(t.dtype)
+            elif isinstance(value, DTensor):  # already this rank's shard
                 value = value.to_local().to(t.device, t.dtype)
             elif value.dim() > 0:
                 value = placement.shard(value).to(t.device, t.dtype)
-            whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+            raw = value.to_local() if isinstance(value, DTensor) else value
+            whole = raw.untyped_storage().nbytes() == raw.numel() * raw.element_size()
             state[slot] = value if whole else value.clone()  # a loaded target is kept, not copied
         optimizer.state[t] = state
 
@@ -344,7 +360,6 @@ def _load_plain_optimizer(engine, slots: Dict[str, Dict[str, torch.Tensor]]) -> 
 def _load_masters(engine, flat: Dict[str, torch.Tensor]) -> None:
     """Naive AMP: each fp32 master takes the saved weight itself (a DTensor's local
     shard, or the full tensor cut by the placement), not its half-precision copy."""
-    from torch.distributed.tensor import DTensor
     masters = _masters(engine)
     for name, p in _model_params(engine.model):
         if id(p) not in masters or MODEL + name not in flat:

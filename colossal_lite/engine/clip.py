@@ -24,6 +24,7 @@ import math
 from typing import Dict, Iterable, List, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..communication import collective as C
 from ..context import ParallelMode, global_context as gpc
@@ -45,6 +46,9 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
     replicated = torch.zeros((), dtype=torch.float32)
     sharded: Dict[Tuple[str, ...], Tuple[list, List[torch.Tensor]]] = {}
     for p in unique_parameters(parameters):
+        if isinstance(p.grad, DTensor):   # a graph plan's parameter: DTensor sums its shards
+            replicated = replicated + p.grad.detach().float().pow(2).sum().full_tensor().cpu()
+            continue
         if p.grad is None or _counted_on_another_stage(p):
             continue
         sq = p.grad.detach().float().pow(2).sum().cpu()

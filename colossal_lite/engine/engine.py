@@ -29,6 +29,8 @@ What a micro-step's backward accumulates into the gradients (S = the AMP loss sc
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -134,7 +136,9 @@ class Engine:
         self._begin_micro_step('backward')
         if self._num_microbatches > 1:
             loss = loss / self._num_microbatches
-        self.amp.backward(loss)
+        # a model may ask for a context around its backward (auto/graph counts collectives)
+        with getattr(self._model, 'backward_context', contextlib.nullcontext)():
+            self.amp.backward(loss)
 
     def backward_by_grad(self, output: Tensors, output_grad: Tensors):
         """Backward from ``output`` (a tensor or a sequence) given the gradient of the
