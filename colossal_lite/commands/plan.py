@@ -5,7 +5,8 @@ Prints the chosen config, its predicted step time and memory per device and the
 runners-up with why they lost; ``--write FILE`` saves the config as a ``.py`` file that
 ``colossal-lite train FILE --nproc N`` runs. ``--cluster``: a profile JSON (``python -m
 colossal_lite.auto.profile`` measures one) or a shipped name (nvlink8, nodes4x8, pcie8).
-Exit status 2 on bad arguments or when nothing fits.
+Exit status 2 on bad arguments or when nothing fits. ``--graph`` plans a Hugging Face model op
+by op instead (``plan_graph.py``).
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         'plan', help='choose the parallel layout for a model and a cluster',
         epilog='example: colossal-lite plan --model gpt2-small --devices 8 --memory-gb 16')
-    parser.add_argument('--model', required=True,
+    parser.add_argument('--model', default=None,
                         help="a model_zoo preset (gpt2-small, bert-base, vit-base, ...) or "
-                             "'kind:preset' (gpt:tiny)")
+                             "'kind:preset' (gpt:tiny); required without --graph")
     parser.add_argument('--devices', type=int, required=True, help='number of devices N')
     parser.add_argument('--memory-gb', type=float, default=None,
                         help="memory budget per device in GiB (default: the cluster profile's)")
@@ -30,10 +31,28 @@ def add_parser(subparsers) -> None:
     parser.add_argument('--seq', type=int, default=None,
                         help="sequence length (default: the model's max_positions)")
     parser.add_argument('--write', default=None, help='save the chosen config as this .py file')
+    graph = parser.add_argument_group('graph-level planning of any Hugging Face causal LM '
+                                      '(docs/auto_graph.md)')
+    graph.add_argument('--graph', action='store_true', help='plan op by op (auto/graph)')
+    graph.add_argument('--hf', default=None, help='a local Hugging Face model directory')
+    graph.add_argument('--hf-config', default=None,
+                       help='a config JSON file or inline JSON with model_type')
+    graph.add_argument('--mesh', default=None, help='mesh axes, e.g. data=2,tensor=4 '
+                                                    '(default: tensor=N)')
+    graph.add_argument('--level', default='fast', choices=('fast', 'optimal'))
+    graph.add_argument('--show', type=int, default=40, help='nodes listed by explain()')
+    graph.add_argument('--write-plan', default=None, help='save the plan JSON here')
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
+    if args.graph:
+        from .plan_graph import run_graph
+        return run_graph(args)
+    if not args.model:
+        print('colossal-lite plan: --model is required (or --graph with --hf/--hf-config)',
+              file=sys.stderr)
+        return 2
     try:
         result = plan(args.model, devices=args.devices, memory_gb=args.memory_gb,
                       cluster=args.cluster, batch=args.batch, seq=args.seq)
