@@ -13,8 +13,8 @@ input, and the output placement it reports is the strategy's output. This uses o
 entry point DTensor itself uses, so it follows torch's rules as they change.
 
 Our own rules (``OWN_RULES``) cover what DTensor lacks on CPU: scaled dot-product attention
-(batch or head split; kv heads must divide too), factory ops (replicated, computed locally),
-and graph asserts (no op). An op with no rule at all keeps only the all-Replicate strategy;
+(batch or head split; kv heads must divide too), and factory ops (replicated, computed locally); graph asserts are no decision at all
+(``space.NO_OPS``). An op with no rule at all keeps only the all-Replicate strategy;
 it is listed by name (``Strategies.unruled``) in a warning and in ``Plan.explain()``.
 """
 from __future__ import annotations
@@ -197,7 +197,6 @@ VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
 
 OWN_RULES = {
     aten.scaled_dot_product_attention.default: _sdpa_rules,
-    aten._assert_tensor_metadata.default: _replicated,
 }
 FACTORY = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
            aten.zeros.default, aten.ones.default, aten.empty.memory_format,
