@@ -1,0 +1,151 @@
+"""The graph-level auto plan against our hand layout on the same model, and the search time.
+
+Step time: one GPT-2-shaped ``transformers`` model (seed 0, same on every rank), on ``tp``
+forked CPU ranks (gloo, one thread each):
+
+* ``auto``: the unmodified HF model through ``colossal_lite.auto.parallelize`` on a tensor-only
+  mesh of ``tp`` with a memory budget of half the replicated plan's predicted peak (so the
+  plan must shard), level ``fast``;
+* ``hand``: ``model_zoo.hf.gpt_from_hf`` under ``tensor=dict(mode='1d', size=tp)`` (our
+  Megatron layout, the best hand layout for a tensor-only mesh).
+
+Both are checked to give the same loss on the same batch, then forward + loss + backward +
+AdamW are timed, alternated round by round; rank 0's median per-round ratio auto / hand on
+wall and CPU time is reported (target <= 1.05).
+
+Search time: Llama-3-8B shapes (32 layers, batch 64 x 2048) on a 64-device 8 x 8 mesh
+under ``nvlink8``, 70 GiB per device, both levels, end to end from the meta-device model
+(targets: optimal <= 30 s, fast <= 3 s with an objective within 5% of optimal).
+
+    python benchmarks/auto_graph.py [--tp 4 --hidden 256 --layers 4 --seq 128 --batch 8]
+        [--search-layers 32]
+Writes benchmarks/results/auto_graph.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks._common import (adamw_step as step_fn, environment, print_table,  # noqa: E402
+                                timed_ratios, write_json)
+from benchmarks.gpt_tp_vs_torch import batch, hf_model  # noqa: E402
+
+
+class _WithLabels(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def _budget_gb(model, ids, tp) -> float:
+    from colossal_lite.auto.cluster import load_profile
+    from colossal_lite.auto.graph.api import search
+    from colossal_lite.auto.graph.space import Space
+    from colossal_lite.auto.graph.trace import capture
+    space = Space(capture(model, (ids,)), (tp,))
+    free = search(space, load_profile(None), None, 'fast', {'tensor': tp}, device='cpu')
+    return free.predicted['memory_bytes'] / 2 ** 30 / 2
+
+
+def bench_rank(rank, args):
+    warnings.filterwarnings('ignore')
+    from colossal_lite.auto import parallelize
+    from model_zoo import GPTLMLoss
+    from model_zoo.hf import gpt_from_hf
+    ids = batch(args)
+    hand = gpt_from_hf(hf_model(args)).train()
+    loss = GPTLMLoss()
+    model = _WithLabels(hf_model(args).train())
+    start = time.perf_counter()
+    auto, plan = parallelize(model, (ids,), mesh={'tensor': args['tp']},
+                             memory_gb=_budget_gb(_WithLabels(hf_model(args)), ids, args['tp']))
+    setup_s = time.perf_counter() - start
+    with torch.no_grad():
+        auto_loss, hand_loss = auto(ids).item(), loss(hand(ids), ids).item()
+    if abs(auto_loss - hand_loss) > 1e-4 * max(1.0, abs(hand_loss)):
+        raise RuntimeError(f'losses differ: auto {auto_loss}, hand {hand_loss}')
+    runs = {'auto': step_fn(auto, lambda m, x: m(x), ids),
+            'hand': step_fn(hand, lambda m, x: loss(m(x), x), ids)}
+    timed = timed_ratios(runs, 'auto', 'hand', args['repeats'], args['steps'])
+    return {'check': {'auto_loss': auto_loss, 'hand_loss': hand_loss},
+            'auto_setup_s': setup_s, 'plan_params': plan.params,
+            'predicted_step_s': plan.predicted['step_s'], 'timed': timed}
+
+
+def search_time(layers: int) -> dict:
+    import transformers
+    from colossal_lite.auto.cluster import load_profile
+    from colossal_lite.auto.graph.api import search
+    from colossal_lite.auto.graph.space import Space
+    from colossal_lite.auto.graph.trace import capture
+    warnings.filterwarnings('ignore')
+    out = {}
+    for level in ('fast', 'optimal'):
+        start = time.perf_counter()
+        cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096,
+                                       intermediate_size=14336, num_hidden_layers=layers,
+                                       num_attention_heads=32, num_key_value_heads=8,
+                                       max_position_embeddings=8192)
+        with torch.device('meta'):
+            model = _WithLabels(transformers.LlamaForCausalLM(cfg))
+            ids = torch.zeros(64, 2048, dtype=torch.long)
+        space = Space(capture(model, (ids,)), (8, 8))
+        plan = search(space, load_profile('nvlink8'), 70, level, {'data': 8, 'tensor': 8},
+                      time_limit=120)
+        out[level] = {'end_to_end_s': time.perf_counter() - start,
+                      'solve_s': plan.search_seconds, 'decisions': len(space),
+                      'objective_s': plan.predicted['step_s'],
+                      'memory_gib': plan.predicted['memory_bytes'] / 2 ** 30}
+    out['fast_over_optimal_objective'] = out['fast']['objective_s'] / out['optimal']['objective_s']
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--tp', type=int, nargs='+', default=[4])
+    p.add_argument('--hidden', type=int, default=256)
+    p.add_argument('--layers', type=int, default=4)
+    p.add_argument('--heads', type=int, default=8)
+    p.add_argument('--seq', type=int, default=128)
+    p.add_argument('--batch', type=int, default=8)
+    p.add_argument('--vocab', type=int, default=4096)
+    p.add_argument('--repeats', type=int, default=5)
+    p.add_argument('--steps', type=int, default=1)
+    p.add_argument('--search-layers', type=int, default=32)
+    args = vars(p.parse_args())
+    from colossal_lite.testing import run_distributed
+    rows = [['tp', 'clock', 'auto s/step', 'hand 1D s/step', 'ratio auto/hand']]
+    results = {'step_time': {}}
+    for tp in args['tp']:
+        config = dict(parallel=dict(tensor=dict(size=tp, mode='1d')))
+        res = run_distributed(bench_rank, tp, config, dict(args, tp=tp), timeout=1800,
+                              collective_timeout=900)[0]
+        results['step_time'][tp] = res
+        for clock in ('wall', 'cpu'):
+            s = res['timed'][clock]
+            med = s['median_s_per_step']
+            rows.append([str(tp), clock, f"{med['auto']:.4f}", f"{med['hand']:.4f}",
+                         f"{s['ratio_ours_over_theirs']:.3f}"])
+    print_table(rows)
+    results['search'] = search_time(args['search_layers'])
+    print_table([['level', 'end to end s', 'solve s', 'decisions', 'objective ms']] + [
+        [lvl, f"{r['end_to_end_s']:.1f}", f"{r['solve_s']:.2f}", str(r['decisions']),
+         f"{r['objective_s'] * 1e3:.2f}"] for lvl, r in results['search'].items()
+        if isinstance(r, dict)])
+    print(f"fast / optimal objective: {results['search']['fast_over_optimal_objective']:.4f}")
+    print('wrote', write_json('auto_graph', {'args': args, 'environment': environment(),
+                                             **results}))
+
+
+if __name__ == '__main__':
+    main()
