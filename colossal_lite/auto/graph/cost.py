@@ -270,26 +270,8 @@ class GraphCost:
                        memory=[self.memory(i) for i in range(n)], budget=budget,
                        groups=list(groups))
 
-    def moves(self, choice: Sequence[int], axis_names: Sequence[str]) -> Dict[str, List[str]]:
-        """Per op node, the forward collectives the plan inserts before it, as text."""
-        out: Dict[str, List[str]] = {}
-        for j, d in enumerate(self.space.decisions):
-            ins, _, cons = self._codes(j)[choice[j]]
-            for slot, prod in enumerate(d.producers):
-                if prod is None:
-                    continue
-                i, o = prod
-                meta = self.space.output_meta(i, o)
-                src = self._codes(i)[choice[i]][1][o]
-                fwd, _, _ = self.edge_steps(_nbytes(meta), src, ins[slot], cons, False)
-                for op, axis, b in fwd or []:
-                    out.setdefault(d.name, []).append(
-                        f'{op}({axis_names[axis]}, {b} B) of {self.space.decisions[i].name}')
-        return out
-
-    def comm_bytes(self, choice: Sequence[int]) -> Dict[str, int]:
-        """Predicted buffer bytes per collective for one step (forward + backward)."""
-        out: Dict[str, int] = {}
+    def chosen_edges(self, choice: Sequence[int]):
+        """``(consumer, producer, forward steps, backward steps)`` of every edge of a choice."""
         for j, d in enumerate(self.space.decisions):
             ins, _, cons = self._codes(j)[choice[j]]
             for slot, prod in enumerate(d.producers):
@@ -300,8 +282,23 @@ class GraphCost:
                 src = self._codes(i)[choice[i]][1][o]
                 fwd, bwd, _ = self.edge_steps(_nbytes(meta), src, ins[slot], cons,
                                               self._needs_grad(i, meta))
-                for op, _, b in (fwd or []) + (bwd or []):
-                    out[op] = out.get(op, 0) + b
+                yield d, self.space.decisions[i], fwd or [], bwd or []
+
+    def moves(self, choice: Sequence[int], axis_names: Sequence[str]) -> Dict[str, List[str]]:
+        """Per op node, the forward collectives the plan inserts before it, as text."""
+        out: Dict[str, List[str]] = {}
+        for consumer, producer, fwd, _ in self.chosen_edges(choice):
+            for op, axis, b in fwd:
+                out.setdefault(consumer.name, []).append(
+                    f'{op}({axis_names[axis]}, {b} B) of {producer.name}')
+        return out
+
+    def comm_bytes(self, choice: Sequence[int]) -> Dict[str, int]:
+        """Predicted buffer bytes per collective for one step (forward + backward)."""
+        out: Dict[str, int] = {}
+        for _, _, fwd, bwd in self.chosen_edges(choice):
+            for op, _, b in fwd + bwd:
+                out[op] = out.get(op, 0) + b
         loss = self.space.loss[0]
         for op, _, b in self._loss_steps(self._codes(loss)[choice[loss]]) or []:
             out[op] = out.get(op, 0) + b
