@@ -4,8 +4,8 @@ Step time: one GPT-2-shaped ``transformers`` model (seed 0, same on every rank),
 forked CPU ranks (gloo, one thread each):
 
 * ``auto``: the unmodified HF model through ``colossal_lite.auto.parallelize`` on a tensor-only
-  mesh of ``tp`` with a memory budget of half the replicated plan's predicted peak (so the
-  plan must shard), level ``fast``;
+  mesh of ``tp``, level ``fast``, planned for this machine's measured profile (``--cluster``;
+  ``--budget`` adds a memory cap of half the replicated plan's predicted peak);
 * ``hand``: ``model_zoo.hf.gpt_from_hf`` under ``tensor=dict(mode='1d', size=tp)`` (our
   Megatron layout, the best hand layout for a tensor-only mesh).
 
@@ -38,6 +38,10 @@ from benchmarks._common import (adamw_step as step_fn, environment, print_table,
 from benchmarks.gpt_tp_vs_torch import batch, hf_model  # noqa: E402
 
 
+MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'profiles',
+                        'stops20_21.json')
+
+
 class _WithLabels(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
@@ -47,13 +51,13 @@ class _WithLabels(torch.nn.Module):
         return self.model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def _budget_gb(model, ids, tp) -> float:
+def _budget_gb(model, ids, tp, cluster) -> float:
     from colossal_lite.auto.cluster import load_profile
     from colossal_lite.auto.graph.api import search
     from colossal_lite.auto.graph.space import Space
     from colossal_lite.auto.graph.trace import capture
     space = Space(capture(model, (ids,)), (tp,))
-    free = search(space, load_profile(None), None, 'fast', {'tensor': tp}, device='cpu')
+    free = search(space, load_profile(cluster), None, 'fast', {'tensor': tp}, device='cpu')
     return free.predicted['memory_bytes'] / 2 ** 30 / 2
 
 
@@ -67,8 +71,10 @@ def bench_rank(rank, args):
     loss = GPTLMLoss()
     model = _WithLabels(hf_model(args).train())
     start = time.perf_counter()
-    auto, plan = parallelize(model, (ids,), mesh={'tensor': args['tp']},
-                             memory_gb=_budget_gb(_WithLabels(hf_model(args)), ids, args['tp']))
+    budget = _budget_gb(_WithLabels(hf_model(args)), ids, args['tp'], args['cluster']) \
+        if args['budget'] else None
+    auto, plan = parallelize(model, (ids,), mesh={'tensor': args['tp']}, memory_gb=budget,
+                             cluster=args['cluster'])
     setup_s = time.perf_counter() - start
     with torch.no_grad():
         auto_loss, hand_loss = auto(ids).item(), loss(hand(ids), ids).item()
@@ -122,6 +128,12 @@ def main():
     p.add_argument('--repeats', type=int, default=5)
     p.add_argument('--steps', type=int, default=1)
     p.add_argument('--search-layers', type=int, default=32)
+    p.add_argument('--cluster', default=MEASURED,
+                   help='profile the step-time plan is made for (default: this machine, '
+                        'measured: benchmarks/results/profiles/stops20_21.json)')
+    p.add_argument('--budget', action='store_true',
+                   help="also cap memory at half the replicated plan's predicted peak")
+    p.add_argument('--skip-search', action='store_true')
     args = vars(p.parse_args())
     from colossal_lite.testing import run_distributed
     rows = [['tp', 'clock', 'auto s/step', 'hand 1D s/step', 'ratio auto/hand']]
@@ -137,6 +149,10 @@ def main():
             rows.append([str(tp), clock, f"{med['auto']:.4f}", f"{med['hand']:.4f}",
                          f"{s['ratio_ours_over_theirs']:.3f}"])
     print_table(rows)
+    if args['skip_search']:
+        print('wrote', write_json('auto_graph_step', {'args': args, 'environment': environment(),
+                                                      **results}))
+        return
     results['search'] = search_time(args['search_layers'])
     print_table([['level', 'end to end s', 'solve s', 'decisions', 'objective ms']] + [
         [lvl, f"{r['end_to_end_s']:.1f}", f"{r['solve_s']:.2f}", str(r['decisions']),

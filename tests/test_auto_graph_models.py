@@ -1,12 +1,13 @@
 """Graph-level auto-parallelism (``auto.graph.parallelize``) on real architectures, 4 ranks
-(mesh data=2 x tensor=2), against the serial model in the test process.
+(mesh data=2 x tensor=2) and, for GPT-2 and Llama, 8 ranks (2 x 2 x 2), against the serial
+model in the test process.
 
 Architectures (tests/auto_graph_models.py: tiny random-init ``transformers`` configs, every
 dropout 0): GPT-2, BERT (masked LM), ViT (image classification), Llama (GQA), Mistral,
 Qwen2, OPT, GPT-NeoX, Phi, T5 (encoder-decoder with labels), a small CNN and a module of
 odd ops (cumsum, sort, ``torch.cdist`` -- no sharding rule -- and ``torch.special.erfcx``).
-GPT-2 also runs with untied embeddings (``gpt2_untied``): the tied models (GPT-2, BERT's
-MLM decoder, OPT, T5's shared embedding) are expected failures (``TIED`` below).
+GPT-2 also runs with untied embeddings (``gpt2_untied``); the tied ones (GPT-2, BERT's MLM
+decoder, OPT, T5's shared embedding) keep one DTensor under every alias.
 
 Per architecture, one ``run_distributed`` call checks
 
@@ -35,6 +36,7 @@ from colossal_lite.testing.compare import assert_close_dict, max_rel_diff
 from tests.auto_graph_models import CASES
 
 AXES = {'data': 2, 'tensor': 2}
+AXES8 = {'data': 2, 'tensor': 2, 'tensor2': 2}
 SEEDS = (0, 1)
 STEPS = 3
 TOL = 1e-5
@@ -42,12 +44,6 @@ BUDGET_FRACTION = 0.5
 
 ARCHS = ['gpt2', 'gpt2_untied', 'llama', 'bert', 'vit', 'mistral', 'qwen2', 'opt', 'gpt_neox',
          'phi', 't5', 'cnn', 'odd_ops']
-TIED = ('tied parameters: torch.export gives each alias of a shared weight its own placeholder '
-        'and the graph reads only one of them (e.g. GPT-2 lm_head.weight, not '
-        'transformer.wte.weight); distribute_parameters walks model.named_parameters() '
-        '(duplicates removed), so only the first alias becomes a DTensor and the alias the '
-        'graph reads stays a plain replicated Parameter: the tie is broken, the DTensor '
-        'alias never gets a gradient and stays at its initial value')
 # architectures with a diagnosed failure in auto/graph: {name: reason}
 KNOWN_FAILURES = {}
 
@@ -87,7 +83,7 @@ def _serial(name):
     return losses, grads, params
 
 
-def _budget_gb(name):
+def _budget_gb(name, axes=AXES):
     """Half the unconstrained plan's predicted per-rank peak, in GiB (searched here, once)."""
     from colossal_lite.auto.cluster import load_profile
     from colossal_lite.auto.graph.api import search
@@ -96,12 +92,12 @@ def _budget_gb(name):
     case = CASES[name]
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
-        space = Space(capture(case.build(), case.inputs(), case.loss_fn), tuple(AXES.values()))
-    free = search(space, load_profile(None), None, 'fast', AXES)
+        space = Space(capture(case.build(), case.inputs(), case.loss_fn), tuple(axes.values()))
+    free = search(space, load_profile(None), None, 'fast', axes)
     return BUDGET_FRACTION * free.predicted['memory_bytes'] / 2 ** 30
 
 
-def _rank(rank, name, seeds, memory_gb, steps):
+def _rank(rank, name, seeds, memory_gb, steps, axes=AXES):
     """Random plans (first-step loss and gradients) and the budgeted solved plan (STEPS
     AdamW steps): what every rank sees, full tensors."""
     warnings.simplefilter('ignore')
@@ -110,18 +106,18 @@ def _rank(rank, name, seeds, memory_gb, steps):
     from colossal_lite.auto.graph.trace import capture
     case = CASES[name]
     inputs = case.inputs()
-    space = Space(capture(case.build(), inputs, case.loss_fn), tuple(AXES.values()))
+    space = Space(capture(case.build(), inputs, case.loss_fn), tuple(axes.values()))
     random_runs = {}
     for seed in seeds:
         choice = random_choice(space, random.Random(seed))
-        plan = plan_from_choice(space, choice, dict(AXES), 'random', 0.0, {})
+        plan = plan_from_choice(space, choice, dict(axes), 'random', 0.0, {})
         model, _ = parallelize(case.build(), inputs, loss_fn=case.loss_fn, plan=plan)
         loss = model(*inputs)
         loss.backward()
         random_runs[seed] = dict(loss=loss.detach(),
                                  grads=_grads(model.module.named_parameters()),
                                  params=plan.params)
-    model, plan = parallelize(case.build(), inputs, loss_fn=case.loss_fn, mesh=dict(AXES),
+    model, plan = parallelize(case.build(), inputs, loss_fn=case.loss_fn, mesh=dict(axes),
                               level='fast', memory_gb=memory_gb)
     opt = _optimizer(model.parameters())
     losses = []
@@ -181,4 +177,14 @@ def test_parallel_equals_serial(name):
     serial = _serial(name)
     memory_gb = _budget_gb(name)
     results = run_distributed(_rank, 4, None, name, SEEDS, memory_gb, STEPS, timeout=540)
+    _check(name, results, serial)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize('name', ['gpt2', 'llama'])
+def test_eight_ranks_on_a_2x2x2_mesh_equal_serial(name):
+    serial = _serial(name)
+    memory_gb = _budget_gb(name, AXES8)
+    results = run_distributed(_rank, 8, None, name, SEEDS[:1], memory_gb, STEPS, AXES8,
+                              timeout=840)
     _check(name, results, serial)
