@@ -86,7 +86,7 @@ def check_job(config_path: str, nproc: int, steps: Optional[int], resume: Option
     settings = load_config(config_path).settings
     layout = _with_nproc(settings.layout, nproc, nnodes)
     spec = check_data(settings.job.with_steps(steps))
-    check_layout(spec, layout, settings.pipeline)
+    check_layout(spec, layout, settings.pipeline, settings.auto)
     check_paths(spec)
     _check_resume(spec, resume, max_restarts)
     prepare_data(spec, settings.pipeline.num_microbatches)
@@ -130,8 +130,8 @@ def train_command(args, entrypoint=None) -> int:
         resume = os.path.abspath(resume) if resume else None
         restarts = getattr(args, 'max_restarts', 0)
         nodes = nodes_from_args(args)
-        _, layout, spec = check_job(args.config, args.nproc, args.steps, resume, restarts,
-                                    nodes.nnodes)
+        settings, layout, spec = check_job(args.config, args.nproc, args.steps, resume,
+                                           restarts, nodes.nnodes)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f'colossal-lite: bad config {args.config}: {exc}', file=sys.stderr)
         return 2
@@ -140,8 +140,13 @@ def train_command(args, entrypoint=None) -> int:
         return 2
     on = (f'{args.nproc} process(es)' if nodes.nnodes == 1 else
           f'{nodes.nnodes} node(s) x {args.nproc} process(es)')
-    print(f'colossal-lite: {spec.kind} on {on}, layout data={layout.data} '
-          f'pipeline={layout.pipeline} tensor={layout.tensor} ({layout.mode or "none"})', flush=True)
+    auto = settings.auto
+    mesh = (auto.mesh_text() if auto is not None and auto.mesh is not None else
+            f'dict(data={layout.data}, tensor={layout.tensor}) (the launched axes)')
+    where = (f'auto plan ({auto.level}) on mesh {mesh}' if auto is not None else
+             f'layout data={layout.data} pipeline={layout.pipeline} tensor={layout.tensor} '
+             f'({layout.mode or "none"})')
+    print(f'colossal-lite: {spec.kind} on {on}, {where}', flush=True)
     if nodes.nnodes > 1:
         print(f'colossal-lite: {nodes.describe()}', flush=True)
     entrypoint = entrypoint or worker_main

@@ -25,14 +25,23 @@ model only through that description and never by its name: ``shape`` (a
 the structure its parameter, FLOP and memory formulas depend on); ``hf`` (an
 :class:`HFAdapter`) names its Hugging Face conversion and ``profile=True`` marks the model
 whose blocks ``python -m colossal_lite.auto.profile`` times.
+
+One type is built in: ``model=dict(type='hf', config=dict(model_type='llama', ...))`` (a
+random-init ``transformers`` causal LM) or ``dict(type='hf', path=DIR)`` (a local
+checkpoint, ``from_pretrained(local_files_only=True)``): :class:`HFCausalLM`, whose forward
+returns its own next-token loss (criterion :class:`ModelLoss`). It trains data parallel
+or under ``parallel.auto`` (``auto.parallelize`` plans it op by op).
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import inspect
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+
+import torch
 
 ENTRY_POINT_GROUP = 'colossal_lite.models'
 SPLITS = ('head', 'hidden', 'vocab', 'sequence', 'batch')  # TensorFamily.<kind>_split
@@ -320,3 +329,79 @@ def _takes_any_keyword(fn) -> bool:
     except (TypeError, ValueError):
         return True
     return any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+# ---------------------------------------------------------------------------- built in: 'hf'
+HF_MODEL = 'hf'
+
+
+class HFCausalLM(torch.nn.Module):
+    """A ``transformers`` causal LM trained on its own ids: ``forward(ids)`` is the mean
+    next-token loss (``labels=ids``, shifted inside the model)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+class ModelLoss(torch.nn.Module):
+    """The criterion of a model whose output is its loss: ``forward(output, *labels)``
+    returns ``output``."""
+
+    def forward(self, output, *labels):
+        return output
+
+
+def hf_config(config: Optional[Mapping[str, Any]] = None, path: Optional[str] = None):
+    """The ``transformers`` config of ``model=dict(type='hf', ...)``: ``config`` (a dict
+    with ``model_type`` and the config's fields) or ``path`` (a local directory with
+    ``config.json``), exactly one; ValueError naming the key otherwise."""
+    from transformers import AutoConfig
+    if (config is None) == (path is None):
+        raise ValueError("'model' of type 'hf' needs exactly one of 'model.config' "
+                         "(dict(model_type='llama', ...)) and 'model.path' (a local Hugging "
+                         f"Face directory), got config={config!r}, path={path!r}")
+    if path is not None:
+        if not isinstance(path, str) or not os.path.isfile(os.path.join(path, 'config.json')):
+            raise ValueError(f"'model.path' = {path!r} is not a directory holding a Hugging "
+                             f"Face config.json")
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    if not isinstance(config, Mapping) or not isinstance(config.get('model_type'), str):
+        raise ValueError(f"'model.config' must be a dict with a 'model_type' "
+                         f"(e.g. dict(model_type='llama', hidden_size=64, ...)), got {config!r}")
+    fields = {k: v for k, v in config.items() if k != 'model_type'}
+    try:
+        return AutoConfig.for_model(config['model_type'], **fields)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"'model.config': {err}") from None
+
+
+def hf_sizes(config) -> Dict[str, Optional[int]]:
+    """``vocab`` and ``positions`` (None: no limit, e.g. rotary only) of a transformers
+    config, for the job's checks."""
+    positions = getattr(config, 'max_position_embeddings', None) \
+        or getattr(config, 'n_positions', None)
+    return dict(vocab=getattr(config, 'vocab_size', None), positions=positions)
+
+
+def hf_causal_lm(config: Optional[Mapping[str, Any]] = None,
+                 path: Optional[str] = None) -> HFCausalLM:
+    """:class:`HFCausalLM` of ``AutoModelForCausalLM.from_config`` (random init from the
+    default generator: the same seed builds the same weights on every rank) or
+    ``from_pretrained(path, local_files_only=True)``; float32. Under ``torch.device('meta')``
+    (the job's pre-start check) only the config is read."""
+    from transformers import AutoModelForCausalLM
+    cfg = hf_config(config, path)
+    if path is not None and not torch.empty(0).is_meta:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                     dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg)
+    return HFCausalLM(model.float())
+
+
+register_model(HF_MODEL, hf_causal_lm, loss=ModelLoss, data='shakespeare', layers=None,
+               label='HF')

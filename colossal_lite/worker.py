@@ -1,6 +1,7 @@
 """One rank of ``colossal-lite train``: launch from the launcher's environment, build the
-job of the config (``colossal_lite/job/``), train it through ``initialize`` + ``Trainer``,
-and print the report on rank 0.
+job of the config (``colossal_lite/job/``) -- under ``parallel.auto`` planned and split by
+``auto.parallelize`` (every rank reads the whole batch; rank 0 prints the plan) --, train
+it through ``initialize`` + ``Trainer``, and print the report on rank 0.
 
 Printed on rank 0: the world (``world size W on N node(s) x K process(es): node R holds
 ranks R*K..R*K+K-1``, gathered from each rank's agent), the loss (mean over data-parallel
@@ -26,6 +27,7 @@ import torch
 
 import colossal_lite.run_state as run_state
 
+from .auto.graph import parallelize
 from .communication import all_gather, all_reduce, total_stats
 from .config import ConfigError, Settings, load_config
 from .context import ParallelMode
@@ -113,7 +115,10 @@ def train(settings: Settings, spec=None, resume: Optional[str] = None,
     with building_into_chunks(settings.zero):  # ZeRO-3: on meta, drawn into chunk shards
         model = build_model(spec)
     accumulation = settings.engine.num_microbatches
-    train_dl, test_dl, _ = build_data(spec, gpc.device, accumulation)
+    auto = settings.auto
+    train_dl, test_dl, _ = build_data(spec, gpc.device, accumulation, replicated=auto is not None)
+    if auto is not None:
+        model = _auto_parallel(model, spec, auto, accumulation)
     optimizer = build_optimizer(spec, model)
     steps_per_epoch = len(train_dl) // accumulation
     if steps_per_epoch == 0:  # same on every rank, before any collective
@@ -130,7 +135,8 @@ def train(settings: Settings, spec=None, resume: Optional[str] = None,
                           f'the {total} steps of this job (raise --steps or train.steps)')
     history = _LossHistory()
     bar = H.ProgressBarHook(total - resumed_at, 'tokens/s' if text else 'samples/s')
-    hooks = [H.LossHook(), history, H.ThroughputHook(warmup=2, tokens=text),
+    hooks = [H.LossHook(), history,
+             H.ThroughputHook(warmup=2, tokens=text, replicas=1 if auto is not None else None),
              H.LRSchedulerHook(scheduler), bar,
              H.LogMetricByStepHook(spec.train.log_every, printer=bar.printer)]
     if not text:
@@ -152,6 +158,19 @@ def train(settings: Settings, spec=None, resume: Optional[str] = None,
         trainer.evaluate(_limited(test_dl, spec.train.eval_batches), hooks=[H.LossHook(), history])
     _report(trainer, spec, history, elapsed)
     return dict(trainer.metrics, losses=list(history.losses), records=list(history.records))
+
+
+def _auto_parallel(model, spec, auto, microbatches: int):
+    """``parallel.auto``: the graph plan of ``model`` (built alike on every rank) for the
+    launched ranks, captured on token ids of one micro-batch's shape ``[B / M, S]`` (every
+    rank reads that whole micro-batch; the plan splits it); rank 0 searches and prints the
+    plan. Returns the :class:`~colossal_lite.auto.graph.AutoParallelModel`."""
+    ids = torch.zeros(spec.train.global_batch_size // microbatches, spec.data.seq_len,
+                      dtype=torch.long, device=gpc.device)
+    pmodel, plan = parallelize(model.to(gpc.device), (ids,), mesh=auto.mesh_spec,
+                               memory_gb=auto.memory_gb, level=auto.level)
+    _print0(plan.explain(limit=20))
+    return pmodel
 
 
 def _prepare_on_rank0_first(spec):

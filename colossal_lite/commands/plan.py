@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from ..auto import plan
+from .plan_graph import run_graph
 
 
 def add_parser(subparsers) -> None:
@@ -47,7 +48,6 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     if args.graph:
-        from .plan_graph import run_graph
         return run_graph(args)
     if not args.model:
         print('colossal-lite plan: --model is required (or --graph with --hf/--hf-config)',

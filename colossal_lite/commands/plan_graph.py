@@ -16,6 +16,11 @@ import warnings
 
 import torch
 
+from ..auto.cluster import load_profile
+from ..auto.graph.api import apply_pins, resolve_mesh, search
+from ..auto.graph.space import Space
+from ..auto.graph.trace import capture
+
 
 def _hf_config(args):
     from transformers import AutoConfig
@@ -52,10 +57,6 @@ class _CausalLM(torch.nn.Module):
 
 def run_graph(args) -> int:
     from transformers import AutoModelForCausalLM
-    from ..auto.cluster import load_profile
-    from ..auto.graph.api import apply_pins, resolve_mesh, search
-    from ..auto.graph.space import Space
-    from ..auto.graph.trace import capture
     try:
         if not (args.hf or args.hf_config):
             raise ValueError('--graph needs --hf DIR or --hf-config JSON')

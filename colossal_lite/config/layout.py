@@ -3,8 +3,9 @@
 (the graph-level planner's options) as :class:`AutoSettings`."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 from .checks import (ConfigError, check_keys, flag, integer_root, mapping, positive_int,
                      positive_number)
@@ -85,13 +86,35 @@ class ParallelLayout:
 
 @dataclass(frozen=True)
 class AutoSettings:
-    """``parallel.auto``: let the graph-level planner choose the layout. ``level``
-    'fast' | 'optimal'; ``mesh``: the device-mesh shape (None: the launched data x tensor
-    axes); ``memory_gb``: the per-device budget (None: the device's)."""
+    """``parallel.auto``: the graph-level planner (``auto.parallelize``) chooses how the
+    model is split over a device mesh. ``level`` 'fast' | 'optimal'; ``mesh``: the mesh's
+    axis sizes (None: the launched data x tensor axes) and ``axes`` their names (None: named
+    by position, ``tensor`` / ``data, tensor`` / ``data, tensor, tensor2``); ``memory_gb``:
+    the per-device budget (None: unconstrained)."""
 
     level: str = 'fast'
     mesh: Optional[Tuple[int, ...]] = None
     memory_gb: Optional[float] = None
+    axes: Optional[Tuple[str, ...]] = None
+
+    @property
+    def devices(self) -> Optional[int]:
+        """The processes the mesh spans (None without a mesh)."""
+        return None if self.mesh is None else math.prod(self.mesh)
+
+    @property
+    def mesh_spec(self) -> Union[None, Dict[str, int], Tuple[int, ...]]:
+        """The ``mesh`` argument of ``auto.parallelize``: ``{name: size}`` when the config
+        named the axes, else the sizes."""
+        if self.mesh is None or self.axes is None:
+            return self.mesh
+        return dict(zip(self.axes, self.mesh))
+
+    def mesh_text(self) -> str:
+        spec = self.mesh_spec
+        if isinstance(spec, dict):
+            return 'dict(' + ', '.join(f'{k}={v}' for k, v in spec.items()) + ')'
+        return repr(spec)
 
 
 def parse_parallel(parallel: Optional[Mapping]) -> ParallelLayout:
@@ -173,24 +196,53 @@ def parse_ring(tensor: Mapping, mode: Optional[str], size: int) -> int:
 
 
 def parse_auto(parallel: Optional[Mapping]) -> Optional[AutoSettings]:
-    """``parallel.auto`` (None without one)."""
+    """``parallel.auto`` (None without one): ``level`` in :data:`AUTO_LEVELS`, ``mesh`` a
+    dict of positive axis sizes (``dict(data=2, tensor=2)``) or a list of 1 to 3 of them,
+    ``memory_gb`` positive or None. The plan picks the layout, so ``parallel.tensor`` /
+    ``parallel.pipeline`` / ``parallel.data`` beside it are errors (sizes of 1 aside)."""
     if not isinstance(parallel, Mapping) or parallel.get('auto') is None:
         return None
-    auto = mapping(parallel['auto'], 'parallel.auto', "dict(level='fast')")
+    auto = mapping(parallel['auto'], 'parallel.auto', "dict(level='fast', mesh=dict(data=2, "
+                                                      "tensor=2), memory_gb=None)")
     check_keys(auto, AUTO_KEYS, 'parallel.auto.')
+    _alone(parallel)
     level = auto.get('level', 'fast')
     if level not in AUTO_LEVELS:
         raise ConfigError(f"'parallel.auto.level' must be one of {list(AUTO_LEVELS)}, "
                           f"got {level!r}")
-    mesh = auto.get('mesh')
+    mesh, axes = _auto_mesh(auto.get('mesh'))
+    memory = positive_number(auto.get('memory_gb'), 'parallel.auto.memory_gb', allow_none=True)
+    return AutoSettings(level=level, mesh=mesh, memory_gb=memory, axes=axes)
+
+
+def _auto_mesh(mesh) -> Tuple[Optional[Tuple[int, ...]], Optional[Tuple[str, ...]]]:
+    """(axis sizes, axis names or None) of ``parallel.auto.mesh``."""
+    example = "e.g. dict(data=2, tensor=2) or [2, 2]"
+    if mesh is None:
+        return None, None
     if isinstance(mesh, Mapping):
-        mesh = tuple(positive_int(v, f'parallel.auto.mesh.{k}') for k, v in mesh.items())
-    elif mesh is not None:
-        if not isinstance(mesh, (list, tuple)) or not 1 <= len(mesh) <= 3:
-            raise ConfigError(f"'parallel.auto.mesh' must be 1 to 3 axis sizes, e.g. (2, 4) "
-                              f"or dict(data=2, tensor=4), got {mesh!r}")
-        mesh = tuple(positive_int(v, 'parallel.auto.mesh') for v in mesh)
-    memory = auto.get('memory_gb')
-    if memory is not None:
-        memory = positive_number(memory, 'parallel.auto.memory_gb')
-    return AutoSettings(level=level, mesh=mesh, memory_gb=memory)
+        if not 1 <= len(mesh) <= 3:
+            raise ConfigError(f"'parallel.auto.mesh' must have 1 to 3 axes, {example}, "
+                              f"got {dict(mesh)!r}")
+        for name in mesh:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ConfigError(f"'parallel.auto.mesh' axis names must be identifiers like "
+                                  f"'data' or 'tensor', got {name!r}")
+        return (tuple(positive_int(v, f'parallel.auto.mesh.{k}') for k, v in mesh.items()),
+                tuple(mesh))
+    if not isinstance(mesh, (list, tuple)) or not 1 <= len(mesh) <= 3:
+        raise ConfigError(f"'parallel.auto.mesh' must be a dict of axis sizes or a list of 1 "
+                          f"to 3 of them, {example}, got {mesh!r}")
+    return tuple(positive_int(v, f'parallel.auto.mesh[{i}]') for i, v in enumerate(mesh)), None
+
+
+def _alone(parallel: Mapping):
+    """No hand layout beside ``parallel.auto``: the plan splits the model over its mesh."""
+    for key in ('tensor', 'pipeline', 'data'):
+        value = parallel.get(key)
+        size = value.get('size', 1) if isinstance(value, Mapping) else value
+        if size not in (None, 1):
+            raise ConfigError(f"'parallel.{key}' = {value!r} cannot be combined with "
+                              f"'parallel.auto': the graph plan chooses how the model is split; "
+                              f"give the device mesh as 'parallel.auto.mesh' "
+                              f"(e.g. dict(data=2, tensor=2)) and drop 'parallel.{key}'")

@@ -124,6 +124,14 @@ def _zero_runs_with(settings: Settings):
         raise NotImplementedError(problem)
 
 
+def _auto_runs_with(settings: Settings):
+    """``parallel.auto`` shards what its plan shards: ZeRO beside it is not built yet."""
+    if settings.auto is not None and settings.zero is not None:
+        raise NotImplementedError(f"'zero' (stage {settings.zero.stage}) with 'parallel.auto': "
+                                  f"the graph plan already shards what it shards; drop 'zero' "
+                                  f"or use a hand layout")
+
+
 for _section in (
         Section('layout', ('parallel',), lambda c, _: parse_parallel(c.get('parallel'))),
         Section('auto', ('parallel',), lambda c, _: parse_auto(c.get('parallel'))),
@@ -137,3 +145,4 @@ for _section in (
         Section('job', JOB_KEYS, lambda c, _: parse_job(c), lazy=True)):
     register_section(_section)
 register_check(_zero_runs_with)
+register_check(_auto_runs_with)

@@ -64,10 +64,13 @@ def build_criterion(spec: JobSpec):
     return (spec.entry.loss or CrossEntropyLoss)()
 
 
-def build_data(spec: JobSpec, device: Optional[torch.device] = None, microbatches: int = 1):
+def build_data(spec: JobSpec, device: Optional[torch.device] = None, microbatches: int = 1,
+               replicated: bool = False):
     """(train loader, test loader, items per sample) with each DATA rank's slice of each batch.
     The train loader yields micro-batches: ``global_batch_size / microbatches`` samples, so
-    one optimizer step (M of them) sees ``global_batch_size`` samples."""
+    one optimizer step (M of them) sees ``global_batch_size`` samples. ``replicated``
+    (``parallel.auto``: the graph plan splits the batch itself): every rank reads the whole
+    micro-batch, and the test batches have its size too (the planned graph runs one shape)."""
     data = spec.data
     if data.type == 'shakespeare':
         train, test = text_datasets(data.seq_len, data.val_fraction, data.plays)
@@ -79,9 +82,11 @@ def build_data(spec: JobSpec, device: Optional[torch.device] = None, microbatche
         train, test = digits_datasets(data.test_fraction)
         per_sample = 1
     batch, seed = spec.train.global_batch_size, spec.train.shuffle_seed
+    whole = dict(data_rank=0, data_size=1) if replicated else {}
     return (DataParallelLoader(train, batch // microbatches, shuffle=True, seed=seed,
-                               device=device),
-            DataParallelLoader(test, batch, shuffle=False, device=device), per_sample)
+                               device=device, **whole),
+            DataParallelLoader(test, batch // microbatches if replicated else batch,
+                               shuffle=False, device=device, **whole), per_sample)
 
 
 def build_optimizer(spec: JobSpec, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..config import ConfigError, PipelineSettings
+from ..config import AutoSettings, ConfigError, PipelineSettings
 from ..config.families import family
 from ..config.job import JobSpec
 from ..data.hf import check_source, hf_datasets
 from ..data.text import corpus_files
-from ..models import SizeRule
+from ..models import ModelLoss, SizeRule, hf_causal_lm, hf_config, hf_sizes
 from ..trainer.hooks import tensorboard_available
 from .build import describe_model, resolve_vocab
 
@@ -22,10 +22,12 @@ SPLIT_NOUNS = {'head': 'attention heads', 'hidden': 'hidden dimension', 'vocab':
                'sequence': 'sequence', 'batch': "replica's batch"}
 
 
-def check_layout(spec: JobSpec, layout, pipeline: Optional[PipelineSettings] = None):
+def check_layout(spec: JobSpec, layout, pipeline: Optional[PipelineSettings] = None,
+                 auto: Optional[AutoSettings] = None):
     """Every check of ``spec`` against ``layout`` (with its data size) and ``pipeline`` (the
     run's pipeline settings; default: ``layout.pipeline`` uniform stages, M = 1) that can fail
-    before a process starts, each a ConfigError naming the config key:
+    before a process starts, each a ConfigError naming the config key (with ``auto``, the
+    ``parallel.auto`` section: :func:`check_auto` instead):
 
     * ``train.global_batch_size`` (samples per optimizer step) divisible by the data size
       times M, each replica's micro-batch by the tensor family's ``batch_split``;
@@ -38,6 +40,10 @@ def check_layout(spec: JobSpec, layout, pipeline: Optional[PipelineSettings] = N
       the last rank), so any split error left is caught here too (named ``model``).
     """
     pipeline = pipeline or PipelineSettings(size=layout.pipeline)
+    if spec.entry.builder is hf_causal_lm:
+        check_hf_model(spec, layout)
+    if auto is not None:
+        return check_auto(spec, layout, pipeline, auto)
     microbatches, stages, partition = pipeline.num_microbatches, pipeline.stages, pipeline.partition
     fam = family(layout.mode)
     batch = spec.train.global_batch_size
@@ -72,11 +78,60 @@ def check_layout(spec: JobSpec, layout, pipeline: Optional[PipelineSettings] = N
                           f"'model.{layers_key}' = {spec.options[layers_key]} (blocks per "
                           f"stage), got {sum(partition)}")
     for rank in sorted({0, layout.world_size - 1}):
-        try:
-            describe_model(spec, layout, rank, pipeline)
-        except ValueError as err:
-            raise ConfigError(f"'model' ({spec.kind}, preset {spec.model.preset!r}) cannot "
-                              f"be built for {layout_text(layout)} (rank {rank}): {err}") from None
+        _describe(spec, layout, rank, pipeline)
+
+
+def _describe(spec: JobSpec, layout, rank: int, pipeline: PipelineSettings):
+    try:
+        describe_model(spec, layout, rank, pipeline)
+    except ValueError as err:
+        raise ConfigError(f"'model' ({spec.kind}, preset {spec.model.preset!r}) cannot "
+                          f"be built for {layout_text(layout)} (rank {rank}): {err}") from None
+
+
+def check_auto(spec: JobSpec, layout, pipeline: PipelineSettings, auto: AutoSettings):
+    """The job under ``parallel.auto`` (every rank reads the whole batch; the plan splits
+    it): the mesh spans exactly the launched world, the model's forward returns its loss
+    (what ``auto.parallelize`` captures), M divides the global batch, and the model builds
+    on the meta device. Which plan fits ``memory_gb`` is known only after the capture, in
+    the workers (``auto.NoPlanFits``)."""
+    world = layout.world_size
+    if auto.devices is not None and auto.devices != world:
+        raise ConfigError(f"'parallel.auto.mesh' = {auto.mesh_text()} spans {auto.devices} "
+                          f"processes but the job launches {world}: the product of the "
+                          f"mesh's axes must equal the world size (launch {auto.devices} "
+                          f"processes, e.g. --nproc {auto.devices}, or change the mesh)")
+    if spec.entry.loss is not ModelLoss:
+        raise ConfigError(f"'parallel.auto' plans a model whose forward returns its own loss "
+                          f"(model type 'hf'); model type {spec.kind!r} returns outputs for a "
+                          f"separate criterion: use a hand layout for it")
+    batch, microbatches = spec.train.global_batch_size, pipeline.num_microbatches
+    if batch % microbatches:
+        raise ConfigError(f"'train.global_batch_size' = {batch} must be divisible by "
+                          f"num_microbatches {microbatches}")
+    _describe(spec, layout, 0, pipeline)
+
+
+def check_hf_model(spec: JobSpec, layout):
+    """``model=dict(type='hf', ...)``: its config readable, its vocabulary holding the
+    data's tokens and its positions the sequence; no hand tensor or pipeline layout (the
+    model is a plain torch module: data parallel, or ``parallel.auto``)."""
+    try:
+        sizes = hf_sizes(hf_config(**spec.options))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if layout.tensor > 1 or layout.pipeline > 1:
+        raise ConfigError(f"model type 'hf' runs a transformers model as it is: it takes no "
+                          f"hand layout ({layout_text(layout)}); split it with "
+                          f"parallel=dict(auto=dict(mesh=...)) or train it data parallel")
+    vocab, need = sizes['vocab'], 256 if spec.data_type == 'shakespeare' else None
+    if vocab is not None and need is not None and vocab < need:
+        raise ConfigError(f"the 'hf' model's vocab_size = {vocab} must be at least 256, the "
+                          f"byte tokenizer's vocabulary of data type 'shakespeare'")
+    positions, seq = sizes['positions'], spec.data.seq_len
+    if positions is not None and seq is not None and seq > positions:
+        raise ConfigError(f"'data.seq_len' = {seq} exceeds the 'hf' model's "
+                          f"{positions} positions (max_position_embeddings)")
 
 
 def check_rule(rule: SizeRule, layout, fam):
@@ -157,9 +212,12 @@ def prepare_data(spec: JobSpec, microbatches: int = 1):
         train, _, vocab = hf_datasets(spec.data, spec.run_dir)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    model_vocab = spec.options.get('vocab_size')
+    model_vocab, key = spec.options.get('vocab_size'), "'model.vocab_size'"
+    if spec.entry.builder is hf_causal_lm:
+        model_vocab = hf_sizes(hf_config(**spec.options))['vocab']
+        key = "the 'hf' model's vocab_size"
     if model_vocab is not None and model_vocab < vocab:
-        raise ConfigError(f"'model.vocab_size' = {model_vocab} is smaller than the trained "
+        raise ConfigError(f"{key} = {model_vocab} is smaller than the trained "
                           f"tokenizer's vocabulary of {vocab}")
     batch = spec.train.global_batch_size // microbatches
     if len(train) < batch:

@@ -177,14 +177,17 @@ class ThroughputHook(BaseHook):
     """After ``warmup`` steps: ``samples_per_s`` and, when the samples are token sequences
     (``tokens=True``), ``tokens_per_s`` (global: local counts x data-parallel size / step
     time) and ``tflops`` = 6 * parameters * tokens/s / 1e12 (the forward+backward estimate;
-    TFLOPS is the one unit everything prints); ``step_time_s`` (mean)."""
+    TFLOPS is the one unit everything prints); ``step_time_s`` (mean). ``replicas``: how
+    many different batches the ranks read per step (default: the DATA size; 1 when every
+    rank reads the whole batch, as under a graph plan)."""
 
     uses_train_output = False
     priority = METRIC_PRIORITY
 
-    def __init__(self, warmup: int = 1, priority: Optional[int] = None, tokens: bool = True):
+    def __init__(self, warmup: int = 1, priority: Optional[int] = None, tokens: bool = True,
+                 replicas: Optional[int] = None):
         super().__init__(priority)
-        self.warmup, self.tokens = warmup, tokens
+        self.warmup, self.tokens, self.replicas = warmup, tokens, replicas
 
     def before_train(self, trainer):
         self._params = full_parameter_count(trainer.engine.model)
@@ -201,7 +204,7 @@ class ThroughputHook(BaseHook):
         self._steps += 1
         if self._steps <= self.warmup:
             return
-        replicas = gpc.get_world_size(ParallelMode.DATA)
+        replicas = self.replicas or gpc.get_world_size(ParallelMode.DATA)
         self._time += elapsed
         self._samples += trainer.step_samples * replicas
         self._tokens += trainer.step_tokens * replicas

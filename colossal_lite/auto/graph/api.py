@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from ...config.checks import ConfigError
+from ...config.modes import ParallelMode
+from ...context.parallel_context import current_context
 from ..cluster import ClusterProfile, load_profile
 from .cost import GraphCost
 from .execute import CollectiveCounter, GraphRunner, distribute_parameters
@@ -39,8 +41,6 @@ def resolve_mesh(mesh: MeshSpec, world_size: int) -> Dict[str, int]:
     """Mesh axes as ``{name: size}``: a dict as given; a tuple of 1-3 sizes named
     ``tensor`` / ``data, tensor`` / ``data, tensor, tensor2``; None: the launched context's data x tensor axes."""
     if mesh is None:
-        from ...config.modes import ParallelMode
-        from ...context.parallel_context import current_context
         ctx = current_context()
         mesh = {'data': ctx.get_world_size(ParallelMode.DATA),
                 'tensor': ctx.get_world_size(ParallelMode.TENSOR)}
