@@ -36,19 +36,11 @@ import torch  # noqa: E402
 from benchmarks._common import (adamw_step as step_fn, environment, print_table,  # noqa: E402
                                 timed_ratios, write_json)
 from benchmarks.gpt_tp_vs_torch import batch, hf_model  # noqa: E402
+from colossal_lite.models import HFCausalLM  # noqa: E402
 
 
 MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'profiles',
                         'stops20_21.json')
-
-
-class _WithLabels(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def _budget_gb(model, ids, tp, cluster) -> float:
@@ -69,9 +61,9 @@ def bench_rank(rank, args):
     ids = batch(args)
     hand = gpt_from_hf(hf_model(args)).train()
     loss = GPTLMLoss()
-    model = _WithLabels(hf_model(args).train())
+    model = HFCausalLM(hf_model(args).train())
     start = time.perf_counter()
-    budget = _budget_gb(_WithLabels(hf_model(args)), ids, args['tp'], args['cluster']) \
+    budget = _budget_gb(HFCausalLM(hf_model(args)), ids, args['tp'], args['cluster']) \
         if args['budget'] else None
     auto, plan = parallelize(model, (ids,), mesh={'tensor': args['tp']}, memory_gb=budget,
                              cluster=args['cluster'])
@@ -103,7 +95,7 @@ def search_time(layers: int) -> dict:
                                        num_attention_heads=32, num_key_value_heads=8,
                                        max_position_embeddings=8192)
         with torch.device('meta'):
-            model = _WithLabels(transformers.LlamaForCausalLM(cfg))
+            model = HFCausalLM(transformers.LlamaForCausalLM(cfg))
             ids = torch.zeros(64, 2048, dtype=torch.long)
         space = Space(capture(model, (ids,)), (8, 8))
         plan = search(space, load_profile('nvlink8'), 70, level, {'data': 8, 'tensor': 8},

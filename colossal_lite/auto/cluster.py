@@ -156,12 +156,7 @@ class ClusterProfile:
 
     @classmethod
     def from_json(cls, data: dict) -> 'ClusterProfile':
-        known = set(cls.__dataclass_fields__)
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f'unknown cluster profile keys {sorted(unknown)}; '
-                             f'keys: {sorted(known)}')
-        return cls(**data)
+        return dataclass_from_json(cls, data, 'cluster profile')
 
     def save(self, path: str):
         with open(path, 'w') as f:
@@ -174,6 +169,15 @@ class ClusterProfile:
         if memory_bytes is not None:
             data['memory_bytes'] = memory_bytes
         return ClusterProfile.from_json(data)
+
+
+def dataclass_from_json(cls, data: dict, what: str):
+    """``cls(**data)`` for a dataclass, with a ValueError naming any unknown key."""
+    known = set(cls.__dataclass_fields__)
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f'unknown {what} keys {sorted(unknown)}; keys: {sorted(known)}')
+    return cls(**data)
 
 
 def load_profile(source=None) -> ClusterProfile:

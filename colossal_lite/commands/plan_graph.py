@@ -17,21 +17,15 @@ import warnings
 import torch
 
 from ..auto.cluster import load_profile
-from ..auto.graph.api import apply_pins, resolve_mesh, search
+from ..auto.graph.api import resolve_mesh, search
 from ..auto.graph.space import Space
 from ..auto.graph.trace import capture
+from ..models import hf_causal_lm, hf_sizes
 
 
-def _hf_config(args):
-    from transformers import AutoConfig
-    if args.hf:
-        return AutoConfig.from_pretrained(args.hf, local_files_only=True)
-    text = args.hf_config
-    data = json.load(open(text)) if os.path.isfile(text) else json.loads(text)
-    if 'model_type' not in data:
-        raise ValueError(f'--hf-config needs a "model_type" key, got keys {sorted(data)}')
-    kind = data.pop('model_type')
-    return AutoConfig.for_model(kind, **data)
+def _hf_config_dict(text: str) -> dict:
+    """``--hf-config``: a JSON file or an inline JSON object."""
+    return json.load(open(text)) if os.path.isfile(text) else json.loads(text)
 
 
 def parse_mesh(text, devices: int) -> dict:
@@ -46,31 +40,19 @@ def parse_mesh(text, devices: int) -> dict:
     return mesh
 
 
-class _CausalLM(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
-
-
 def run_graph(args) -> int:
-    from transformers import AutoModelForCausalLM
     try:
         if not (args.hf or args.hf_config):
             raise ValueError('--graph needs --hf DIR or --hf-config JSON')
         mesh = resolve_mesh(parse_mesh(args.mesh, args.devices), args.devices)
-        config = _hf_config(args)
-        seq = args.seq or min(getattr(config, 'max_position_embeddings', 512), 2048)
-        with torch.device('meta'):
-            model = AutoModelForCausalLM.from_config(config)
-            ids = torch.zeros(args.batch, seq, dtype=torch.long)
+        config = _hf_config_dict(args.hf_config) if args.hf_config else None
+        with torch.device('meta'):   # the config only: no weights are made or read
+            model = hf_causal_lm(config=config, path=args.hf)
+            positions = hf_sizes(model.model.config)['positions'] or 2048
+            ids = torch.zeros(args.batch, args.seq or min(positions, 2048), dtype=torch.long)
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
-            captured = capture(_CausalLM(model), (ids,))
-            space = Space(captured, tuple(mesh.values()))
-        apply_pins(space, None)
+            space = Space(capture(model, (ids,)), tuple(mesh.values()))
         plan = search(space, load_profile(args.cluster), args.memory_gb, args.level, mesh)
     except (ValueError, NotImplementedError) as exc:
         print(f'colossal-lite plan: {exc}', file=sys.stderr)

@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
+from ..cluster import dataclass_from_json
 from .strategies import Strategy, placement_from_name, placement_name
 
 
@@ -51,11 +52,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict) -> 'Plan':
-        known = set(cls.__dataclass_fields__)
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f'unknown plan keys {sorted(unknown)}; keys: {sorted(known)}')
-        return cls(**data)
+        return dataclass_from_json(cls, data, 'plan')
 
     def save(self, path: str) -> None:
         with open(path, 'w') as f:
