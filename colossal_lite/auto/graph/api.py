@@ -189,7 +189,13 @@ class AutoParallelModel(nn.Module):
         self._placeholders = {name: plan.strategy(name).outputs[0]
                               for name, e in plan.nodes.items()
                               if e['op'] in ('param', 'buffer', 'constant', 'input')}
-        self.last_deviations: Dict[str, int] = {}
+        self._runner = GraphRunner(captured, mesh, self._choice, self._placeholders)
+        self._counter = CollectiveCounter(mesh)
+
+    @property
+    def last_deviations(self) -> Dict[str, int]:
+        """Nodes whose output came back elsewhere than planned in the last forward."""
+        return self._runner.deviations
 
     @property
     def device_mesh(self):
@@ -208,16 +214,13 @@ class AutoParallelModel(nn.Module):
                 values.append(self._captured.constants[source])
             else:
                 values.append(inputs[source])
-        runner = GraphRunner(self._captured, self._mesh, self._choice, self._placeholders)
-        with CollectiveCounter(self._mesh):
-            loss = runner.run(*values)
-        self.last_deviations = runner.deviations
-        return loss
+        with self._counter:
+            return self._runner.run(*values)
 
     def backward_context(self):
         """Enter around ``loss.backward()`` to count the backward's collectives too (the
         Engine does; autograd runs backward with the modes active when it was called)."""
-        return CollectiveCounter(self._mesh)
+        return self._counter
 
     # the model synchronizes its own gradients (DTensor): initialize() adds no handler
     synchronizes_gradients = True

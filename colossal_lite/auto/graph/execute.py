@@ -1,6 +1,7 @@
 """Run a plan: the captured graph interpreted over DTensors with the plan's placements.
 
-``GraphRunner(captured, mesh, placements)`` walks the graph once per step. Each tensor input
+``GraphRunner(captured, mesh, choice, placeholders)``, built once, walks the graph once per
+step. Each tensor input
 of a node is redistributed (DTensor ``redistribute``: all_gather, all_reduce, reduce_scatter,
 all_to_all or a local slice, all autograd-aware) to the placements the plan chose for that
 node; then the node runs
@@ -109,8 +110,10 @@ class GraphRunner(torch.fx.Interpreter):
         self.mesh = mesh
         self.choice = choice
         self.placeholders = placeholders
-        self.deviations: Dict[str, int] = {}
+        self.deviations: Dict[str, int] = {}   # of the last run
         self.check_shards = False      # tests: every output's local shape matches placements
+        self._placeholder_names = {n.target: n.name for n in self.graph.nodes
+                                   if n.op == 'placeholder'}
 
     def _to(self, value, placements):
         value = _as_dtensor(value, self.mesh)
@@ -130,8 +133,7 @@ class GraphRunner(torch.fx.Interpreter):
         return self._placeholder_names[target]
 
     def run(self, *args):
-        self._placeholder_names = {n.target: n.name for n in self.graph.nodes
-                                   if n.op == 'placeholder'}
+        self.deviations = {}
         return super().run(*args)
 
     def run_node(self, node):
