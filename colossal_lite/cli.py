@@ -110,8 +110,8 @@ def _with_nproc(layout, nproc: int, nnodes: int = 1):
     try:
         return layout.with_world_size(world)
     except ConfigError as err:
-        need = layout.pipeline * layout.tensor * (layout.data or 1)
-        if layout.data is None:
+        need = layout.pipeline * layout.tensor * (layout.data or getattr(layout, 'expert', 1))
+        if layout.data is None:   # a multiple of pipeline*tensor (*expert: E divides data)
             need *= max(1, round(world / need))
         if nnodes == 1:
             raise ConfigError(f'{err}: run with --nproc {need}') from None

@@ -41,8 +41,10 @@ def test_group_sizes(world, parallel):
     layout = _layout(world, parallel)
     groups = build_groups(layout)
     q, d = layout.tensor_grid, layout.depth
+    sequence = layout.mode in ('sequence', 'ulysses')   # EXPERT_DATA = SEQUENCE_DP at E = 1
     expected = {PM.GLOBAL: world, PM.DATA: layout.data, PM.PIPELINE: layout.pipeline,
-                PM.TENSOR: layout.tensor}
+                PM.TENSOR: layout.tensor, PM.EXPERT: 1,
+                PM.EXPERT_DATA: layout.data * (layout.tensor if sequence else 1)}
     expected.update({
         '1d': {PM.PARALLEL_1D: layout.tensor},
         'sequence': {PM.SEQUENCE: layout.tensor, PM.SEQUENCE_DP: layout.tensor * layout.data},

@@ -8,7 +8,7 @@ the identity and communicates nothing. ``async_op=True`` returns a
 """
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -162,6 +162,32 @@ def all_to_all(tensor: torch.Tensor, axis: AxisLike, scatter_dim: int, gather_di
     record(ax.mode, 'all_to_all', _nbytes(tensor), ax.size)
     work = dist.all_to_all(outputs, inputs, group=ax.group, async_op=async_op)
     return _run(work, lambda: torch.cat(outputs, dim=gather_dim), async_op)
+
+
+def all_to_all_uneven(tensor: torch.Tensor, axis: AxisLike, send_counts: Sequence[int],
+                      recv_counts: Sequence[int], async_op: bool = False):
+    """Rows of ``tensor`` (dim 0) sent in consecutive runs: the first ``send_counts[0]`` to
+    local rank 0, the next ``send_counts[1]`` to rank 1, ...; returns the received rows
+    concatenated in rank order (``recv_counts[r]`` from rank r; ``sum(recv_counts)`` rows).
+    Recorded as one all_to_all of the input's bytes (MoE token dispatch / combine)."""
+    ax = resolve(axis)
+    send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+    if len(send_counts) != ax.size or len(recv_counts) != ax.size:
+        raise ValueError(f'all_to_all_uneven over the {ax.mode.name} group of {ax.size} ranks '
+                         f'needs {ax.size} send and receive counts, got {len(send_counts)} '
+                         f'and {len(recv_counts)}')
+    if sum(send_counts) != tensor.shape[0]:
+        raise ValueError(f'all_to_all_uneven: the send counts {send_counts} sum to '
+                         f'{sum(send_counts)}, the tensor has {tensor.shape[0]} rows')
+    if ax.size == 1:
+        return _done(tensor, async_op)
+    inp = tensor.detach().contiguous()
+    out = inp.new_empty((sum(recv_counts),) + tuple(inp.shape[1:]))
+    record(ax.mode, 'all_to_all', _nbytes(inp), ax.size)
+    work = dist.all_to_all_single(out, inp, output_split_sizes=recv_counts,
+                                  input_split_sizes=send_counts, group=ax.group,
+                                  async_op=async_op)
+    return _run(work, lambda: out, async_op)
 
 
 def split(tensor: torch.Tensor, axis: AxisLike, dim: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ gather_from            all_gather ``dim``          keep own chunk of ``dim``
 all_gather_to          all_gather ``dim``          reduce_scatter ``dim``
 reduce_scatter_to      reduce_scatter ``dim``      all_gather ``dim``
 all_to_all_to          all_to_all ``s`` -> ``g``   all_to_all ``g`` -> ``s``
+all_to_all_rows        rows sent by counts         rows sent back by the counts swapped
 =====================  ==========================  ===========================
 
 ``copy_to``/``reduce_from`` bracket a region where a replicated input feeds
@@ -17,7 +18,9 @@ partial computations; ``split_to``/``gather_from`` move between a replicated
 tensor and its shards when every rank computes the same thing downstream;
 ``all_gather_to``/``reduce_scatter_to`` are the pair for sharded operands
 whose products are partial sums (3D, sequence); ``all_to_all_to`` re-splits a tensor
-from one dimension to another (Ulysses: sequence-split to head-split and back).
+from one dimension to another (Ulysses: sequence-split to head-split and back);
+``all_to_all_rows`` sends uneven runs of rows (MoE: tokens to the ranks of their experts,
+and the inverse exchange brings the outputs back).
 """
 from __future__ import annotations
 
@@ -107,6 +110,18 @@ class _AllToAllTo(torch.autograd.Function):
         return C.all_to_all(grad, ctx.axis, gather_dim, scatter_dim), None, None, None
 
 
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, send_counts, recv_counts):
+        ctx.axis, ctx.counts = axis, (send_counts, recv_counts)
+        return C.all_to_all_uneven(x, axis, send_counts, recv_counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_counts, recv_counts = ctx.counts
+        return C.all_to_all_uneven(grad, ctx.axis, recv_counts, send_counts), None, None, None
+
+
 def _skip(axis: AxisLike):
     ax = resolve(axis)
     return ax, ax.size == 1
@@ -157,3 +172,12 @@ def all_to_all_to(x: torch.Tensor, axis: AxisLike, scatter_dim: int, gather_dim:
     gradient backward."""
     ax, trivial = _skip(axis)
     return x if trivial else _AllToAllTo.apply(x, ax, scatter_dim, gather_dim)
+
+
+def all_to_all_rows(x: torch.Tensor, axis: AxisLike, send_counts, recv_counts) -> torch.Tensor:
+    """Rows of ``x`` sent in runs of ``send_counts`` (run r to local rank r), the received
+    runs (``recv_counts``) concatenated in rank order forward; backward sends each gradient
+    row back where its row came from (the same exchange, counts swapped)."""
+    ax, trivial = _skip(axis)
+    return x if trivial else _AllToAllRows.apply(x, ax, tuple(int(c) for c in send_counts),
+                                                 tuple(int(c) for c in recv_counts))

@@ -1,6 +1,10 @@
 """The ``parallel`` section: the degrees of every parallel axis as a frozen
 :class:`ParallelLayout` (``world = data * pipeline * tensor``), and ``parallel.auto``
-(the graph-level planner's options) as :class:`AutoSettings`."""
+(the graph-level planner's options) as :class:`AutoSettings`.
+
+``parallel.expert`` = E (expert parallelism, first version): carved out of the data axis
+only, so E must divide the data-parallel degree (Megatron's folding of E into data x tensor
+is not built)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +15,10 @@ from .checks import (ConfigError, check_keys, flag, integer_root, mapping, posit
                      positive_number)
 from .families import TENSOR_MODES
 
-PARALLEL_KEYS = ('data', 'pipeline', 'tensor', 'auto')
+PARALLEL_KEYS = ('data', 'pipeline', 'tensor', 'expert', 'auto')
+#: tensor modes expert parallelism composes with (2D/2.5D/3D split the batch over the
+#: tensor grid, whose expert gradients no group sums yet)
+EXPERT_TENSOR_MODES = (None, '1d', 'sequence', 'ulysses')
 TENSOR_KEYS = ('size', 'mode', 'depth', 'sequence_parallel', 'zigzag', 'ring')
 AUTO_KEYS = ('level', 'mesh', 'memory_gb')
 AUTO_LEVELS = ('fast', 'optimal')
@@ -31,6 +38,9 @@ class ParallelLayout:
     instead of the contiguous block r (``nn/sequence/layout.py``).
     ``ring`` (``parallel.tensor.ring``, mode 'ulysses'; default 1): R, the ring degree of
     the ring x Ulysses hybrid; Ulysses runs over ``tensor / R`` ranks inside each ring rank.
+    ``expert`` (``parallel.expert``; default 1): E, the expert-parallel degree, carved out of
+    the data axis (E divides ``data``): the data axis unfolds into ``expert_data`` (data / E,
+    outer) x ``expert`` (E, inner); see ``context/layout.py``.
     """
 
     pipeline: int = 1
@@ -41,6 +51,17 @@ class ParallelLayout:
     sequence_parallel: bool = False
     zigzag: bool = True
     ring: int = 1
+    expert: int = 1
+
+    @property
+    def expert_data(self) -> Optional[int]:
+        """data / E: the replicas of one expert shard along the data axis (None until the
+        data size is known)."""
+        return None if self.data is None else self.data // self.expert
+
+    def check_expert(self):
+        """ConfigError unless E divides the data-parallel degree (once it is known)."""
+        check_expert_divides(self.expert, self.data, self.pipeline, self.tensor)
 
     @property
     def ring_size(self) -> int:
@@ -81,7 +102,21 @@ class ParallelLayout:
             raise ConfigError(
                 f"'parallel.data' = {self.data} disagrees with world size {world_size} / "
                 f"(pipeline*tensor = {model_parallel}) = {data}")
+        check_expert_divides(self.expert, data, self.pipeline, self.tensor, world_size)
         return replace(self, data=data)
+
+
+def check_expert_divides(expert: int, data: Optional[int], pipeline: int, tensor: int,
+                         world_size: Optional[int] = None):
+    """``parallel.expert`` = E must divide the data-parallel degree (the expert axis is carved
+    out of the data axis only); nothing to check while ``data`` is unknown."""
+    if data is None or data % expert == 0:
+        return
+    where = (f"'parallel.data' = {data}" if world_size is None else
+             f"data = {data} (= world size {world_size} / (pipeline*tensor = "
+             f"{pipeline}*{tensor}))")
+    raise ConfigError(f"'parallel.expert' = {expert} must divide the data-parallel size "
+                      f"{where}: expert parallelism is carved out of the data axis only")
 
 
 @dataclass(frozen=True)
@@ -171,9 +206,24 @@ def parse_parallel(parallel: Optional[Mapping]) -> ParallelLayout:
         raise ConfigError(f"'parallel.tensor.zigzag' applies only to the ring of modes "
                           f"{list(RING_MODES)}, got zigzag={zigzag!r} with mode {mode!r}")
     zigzag = True if zigzag is None else flag(zigzag, 'parallel.tensor.zigzag')
+    expert = parse_expert(parallel, mode)
+    check_expert_divides(expert, data, pipeline, size)
     return ParallelLayout(pipeline=pipeline, tensor=size, mode=mode, depth=depth or 1, data=data,
                           sequence_parallel=sequence_parallel, zigzag=zigzag,
-                          ring=parse_ring(tensor, mode, size))
+                          ring=parse_ring(tensor, mode, size), expert=expert)
+
+
+def parse_expert(parallel: Mapping, mode: Optional[str]) -> int:
+    """``parallel.expert``: E >= 1, an integer; E > 1 only with the tensor modes of
+    :data:`EXPERT_TENSOR_MODES` (NotImplementedError otherwise)."""
+    expert = positive_int(parallel.get('expert', 1), 'parallel.expert')
+    if expert > 1 and mode not in EXPERT_TENSOR_MODES:
+        raise NotImplementedError(
+            f"'parallel.expert' = {expert} with tensor mode {mode!r} is not supported: expert "
+            f"parallelism composes with tensor modes {list(EXPERT_TENSOR_MODES)} (2D/2.5D/3D "
+            f"split each replica's batch over the tensor grid, and no group sums an expert's "
+            f"gradient over it yet)")
+    return expert
 
 
 RING_MODES = ('sequence', 'ulysses')
@@ -238,7 +288,7 @@ def _auto_mesh(mesh) -> Tuple[Optional[Tuple[int, ...]], Optional[Tuple[str, ...
 
 def _alone(parallel: Mapping):
     """No hand layout beside ``parallel.auto``: the plan splits the model over its mesh."""
-    for key in ('tensor', 'pipeline', 'data'):
+    for key in ('tensor', 'pipeline', 'data', 'expert'):
         value = parallel.get(key)
         size = value.get('size', 1) if isinstance(value, Mapping) else value
         if size not in (None, 1):

@@ -18,6 +18,14 @@ class ParallelMode(Enum):
     # both hold (GPT's token embedding tied to its LM head); one rank when pipeline == 1
     EMBEDDING = 'embedding'
 
+    # expert parallelism (mixture of experts): the data axis unfolds into
+    # expert_data (outer, data / E) x expert (inner, E consecutive data coordinates).
+    # EXPERT holds the E ranks whose experts differ (all-to-all of tokens);
+    # EXPERT_DATA holds the data replicas of one expert shard (its gradient sum).
+    # With expert == 1: EXPERT is one rank, EXPERT_DATA equals DATA.
+    EXPERT = 'expert'
+    EXPERT_DATA = 'expert_data'
+
     # sequence parallelism: SEQUENCE is the tensor axis, SEQUENCE_DP = data x sequence
     SEQUENCE = 'sequence'
     SEQUENCE_DP = 'sequence_dp'

@@ -11,6 +11,17 @@ with the tensor axis unfolded per mode (innermost varies fastest):
     2.5d          : dep, row, col            t = dep*q*q + row*q + col
     3d            : output, weight, input    t = l*q*q + j*q + i
 
+and, with expert parallelism (``parallel.expert`` = E > 1), the data axis unfolded into
+``expert_data, expert`` (data = expert_data * E + expert): DATA varies both (its groups
+and local ranks are those of the folded axis), EXPERT varies ``expert`` (E consecutive
+data coordinates: the ranks whose experts differ, all_to_all of tokens), EXPERT_DATA
+varies ``expert_data`` (the replicas of one expert shard: its gradient sum, its ZeRO
+shards). In the sequence modes ('sequence', 'ulysses') every rank of the tensor axis holds
+other tokens of the same samples, so EXPERT_DATA also varies the tensor sub-axes, as
+SEQUENCE_DP does. With E = 1 the grid keeps ``data`` whole: EXPERT groups are single ranks
+and EXPERT_DATA equals DATA (SEQUENCE_DP in the sequence modes), so both modes exist in
+every layout.
+
 A group is the set of ranks that share every coordinate except the varying
 ones; its members are listed in increasing global rank, so a rank's position
 in the list is its local rank in that group. Nothing here touches
@@ -32,11 +43,26 @@ def _family(layout: ParallelLayout):
     return family(layout.mode)
 
 
+DATA_SUBAXES = ('expert_data', 'expert')
+
+
+def _expert(layout: ParallelLayout) -> int:
+    return getattr(layout, 'expert', 1)
+
+
 def axes_of(layout: ParallelLayout) -> List[Tuple[str, int]]:
     """The named axes of the rank grid, outermost first."""
     if layout.data is None:
         raise ValueError('the layout needs the data-parallel degree; call with_world_size first')
-    return [('pipe', layout.pipeline), ('data', layout.data)] + list(_family(layout).axes(layout))
+    expert = _expert(layout)
+    if expert > 1:
+        if layout.data % expert:
+            raise ValueError(f'the expert-parallel size {expert} must divide the data size '
+                             f'{layout.data}')
+        data = [('expert_data', layout.data // expert), ('expert', expert)]
+    else:
+        data = [('data', layout.data)]
+    return [('pipe', layout.pipeline)] + data + list(_family(layout).axes(layout))
 
 
 def groups_varying(axes: Sequence[Tuple[str, int]], varying: Sequence[str]) -> Groups:
@@ -65,10 +91,19 @@ def mode_axes(layout: ParallelLayout) -> Dict[ParallelMode, Tuple[str, ...]]:
     (in grid order, so a member's local rank is its flattened coordinate on them)."""
     names = [name for name, _ in axes_of(layout)]
     fam = _family(layout)
+    unfolded = _expert(layout) > 1
+    sequence = fam.tensor_axis_names if fam.splits_sequence else ()
     varying = {ParallelMode.GLOBAL: tuple(names), ParallelMode.PIPELINE: ('pipe',),
-               ParallelMode.DATA: ('data',), ParallelMode.TENSOR: fam.tensor_axis_names}
+               ParallelMode.DATA: ('data',), ParallelMode.TENSOR: fam.tensor_axis_names,
+               ParallelMode.EXPERT: ('expert',) if unfolded else (),
+               ParallelMode.EXPERT_DATA: ('expert_data' if unfolded else 'data',) + sequence}
     varying.update(fam.groups)
-    return {mode: tuple(n for n in names if n in axes) for mode, axes in varying.items()}
+    out = {}
+    for mode, axes in varying.items():
+        if unfolded and 'data' in axes:   # the folded axis: both of its sub-axes
+            axes = tuple(axes) + DATA_SUBAXES
+        out[mode] = tuple(n for n in names if n in axes)
+    return out
 
 
 def build_groups(layout: ParallelLayout) -> Dict[ParallelMode, Groups]:
@@ -90,10 +125,13 @@ def embedding_groups(pipeline_groups: Groups) -> Groups:
 
 
 def coordinates(layout: ParallelLayout, rank: int) -> Dict[str, int]:
-    """The rank's coordinate on every named axis."""
+    """The rank's coordinate on every named axis (and ``data`` = expert_data * E + expert
+    when the data axis is unfolded)."""
     axes = axes_of(layout)
     coords = {}
     for name, size in reversed(axes):
         coords[name] = rank % size
         rank //= size
+    if 'expert' in coords:
+        coords['data'] = coords['expert_data'] * _expert(layout) + coords['expert']
     return coords

@@ -8,14 +8,20 @@ mode, where each rank's gradient covers only its sub-sequence. So:
 * data parallelism: ``g <- sum_DATA(g / data_size)`` (replicas see different
   batches and each loss is a mean over its batch);
 * sequence mode: ``g <- sum_SEQUENCE_DP(g / data_size)`` (the SEQUENCE part of the
-  sum completes the gradient, the DATA part averages replicas).
+  sum completes the gradient, the DATA part averages replicas);
+* expert parameters (placement cut over EXPERT, or EXPERT_DATA in its ``grad_sum``):
+  ``g <- sum_EXPERT_DATA(g / data_size)``. The all_to_all backward of the MoE layer already
+  put into an expert's local gradient the tokens of the E ranks of its EXPERT group, so the
+  sum over EXPERT_DATA (expert_data, and the tensor axis in the sequence modes) covers every
+  replica once; the scale is 1/data_size as for dense gradients, applied even where
+  EXPERT_DATA is one rank (data == E).
 
 Gradients are flattened into buckets of ``bucket_bytes`` (one dtype per bucket),
 so the collective count is ceil(total_bytes / bucket_bytes) per dtype.
 """
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -23,6 +29,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..communication import collective as C
 from ..config.families import family
 from ..context import ParallelMode, ProcessGroupAxis, global_context as gpc
+from ..tensor import param_placement
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -33,6 +40,33 @@ def data_parallel_axis() -> ProcessGroupAxis:
     if family(gpc.tensor_mode).splits_sequence:
         return gpc.axis(ParallelMode.SEQUENCE_DP)
     return gpc.axis(ParallelMode.DATA)
+
+
+def is_expert_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s placement makes it an expert parameter: cut over EXPERT, or its
+    gradient summed over EXPERT_DATA."""
+    placement = param_placement(tensor)
+    return (ParallelMode.EXPERT_DATA in placement.grad_sum
+            or any(mode is ParallelMode.EXPERT for _, mode in placement.cuts))
+
+
+def gradient_axis(tensor: torch.Tensor) -> ProcessGroupAxis:
+    """The group that sums ``tensor``'s gradient and over which its replicas are broadcast:
+    EXPERT_DATA for an expert parameter, else :func:`data_parallel_axis`."""
+    if is_expert_parameter(tensor):
+        return gpc.axis(ParallelMode.EXPERT_DATA)
+    return data_parallel_axis()
+
+
+def by_gradient_axis(tensors: Iterable[torch.Tensor]
+                     ) -> List[Tuple[ProcessGroupAxis, List[torch.Tensor]]]:
+    """``tensors`` split by :func:`gradient_axis` (order kept inside each part): the dense
+    part first, then the expert part (the same order on every rank); empty parts dropped."""
+    dense, expert = data_parallel_axis(), gpc.axis(ParallelMode.EXPERT_DATA)
+    parts: Dict[ParallelMode, List[torch.Tensor]] = {dense.mode: [], expert.mode: []}
+    for t in tensors:
+        parts[gradient_axis(t).mode].append(t)
+    return [(axis, parts[axis.mode]) for axis in (dense, expert) if parts[axis.mode]]
 
 
 def buckets(tensors: List[torch.Tensor], bucket_bytes: int) -> List[List[torch.Tensor]]:
@@ -52,46 +86,52 @@ def buckets(tensors: List[torch.Tensor], bucket_bytes: int) -> List[List[torch.T
 
 def allreduce_gradients(parameters: Iterable[torch.nn.Parameter],
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-    """Synchronize ``.grad`` of ``parameters`` across data-parallel replicas (see module doc)."""
-    axis = data_parallel_axis()
-    if axis.size == 1:
+    """Synchronize ``.grad`` of ``parameters`` across data-parallel replicas (see module doc):
+    one all_reduce per bucket over DATA (SEQUENCE_DP) for dense gradients, over EXPERT_DATA
+    for expert gradients."""
+    if data_parallel_axis().size == 1:
         return
     scale = 1.0 / gpc.get_world_size(ParallelMode.DATA)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    for bucket in buckets(grads, bucket_bytes):
-        # divide before summing, so half-precision sums stay in range as in the serial model
-        flat = C.all_reduce(_flatten_dense_tensors(bucket).mul_(scale), axis, inplace=True)
-        for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            grad.copy_(synced)
+    with_grad = [p for p in parameters if p.grad is not None]
+    for axis, params in by_gradient_axis(with_grad):
+        for bucket in buckets([p.grad for p in params], bucket_bytes):
+            # divide before summing, so half-precision sums stay in range as in the serial model
+            flat = C.all_reduce(_flatten_dense_tensors(bucket).mul_(scale), axis, inplace=True)
+            for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(synced)
 
 
 def broadcast_parameters(module: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """Copy local rank 0's parameters and buffers to every data-parallel replica.
 
-    One broadcast per same-dtype bucket over :func:`data_parallel_axis` (sharded
-    parameters are broadcast shard by shard: the group only varies replicas)."""
-    axis = data_parallel_axis()
-    if axis.size == 1:
+    One broadcast per same-dtype bucket over :func:`gradient_axis` (sharded parameters are
+    broadcast shard by shard: the group only varies replicas): DATA (SEQUENCE_DP) for dense
+    tensors, EXPERT_DATA for expert parameters (whose shards differ across EXPERT)."""
+    if data_parallel_axis().size == 1:
         return
     seen, tensors = set(), []
     for t in list(module.parameters()) + list(module.buffers()):
         if id(t) not in seen:
             seen.add(id(t))
-            tensors.append(t.data)
+            tensors.append(t)
     with torch.no_grad():
-        for bucket in buckets(tensors, bucket_bytes):
-            flat = C.broadcast(_flatten_dense_tensors(bucket), axis, src=0, inplace=True)
-            for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                t.copy_(synced)
+        for axis, part in by_gradient_axis(tensors):
+            if axis.size == 1:
+                continue
+            for bucket in buckets([t.data for t in part], bucket_bytes):
+                flat = C.broadcast(_flatten_dense_tensors(bucket), axis, src=0, inplace=True)
+                for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    t.copy_(synced)
 
 
 class GradientReducer:
     """Bucketed data-parallel gradient all-reduce that overlaps backward.
 
-    Same result as :func:`allreduce_gradients` (``g <- sum_axis(g / data_size)``).
+    Same result as :func:`allreduce_gradients` (``g <- sum_axis(g / data_size)``, the axis
+    of each bucket DATA / SEQUENCE_DP, or EXPERT_DATA for expert parameters).
     Parameters are bucketed in reverse registration order (roughly the order
     backward produces their gradients), ``bucket_bytes`` per bucket and one
-    dtype each. With ``overlap=True`` a post-accumulate-grad hook marks each
+    dtype and one axis each. With ``overlap=True`` a post-accumulate-grad hook marks each
     parameter ready; once every parameter of a bucket is ready its gradients are
     flattened and an async all_reduce starts while backward goes on.
     :meth:`synchronize` (before the optimizer step) starts the buckets that never
@@ -116,7 +156,11 @@ class GradientReducer:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
-        self.buckets = buckets(params[::-1], bucket_bytes)
+        self.buckets, self.bucket_axes = [], []
+        for axis, part in by_gradient_axis(params[::-1]):
+            for bucket in buckets(part, bucket_bytes):
+                self.buckets.append(bucket)
+                self.bucket_axes.append(axis)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.overlap = overlap and self.axis.size > 1
         self._handles = []
@@ -149,7 +193,8 @@ class GradientReducer:
     def _launch(self, index: int):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[index]]
         flat = _flatten_dense_tensors(grads).mul_(self.scale)  # divide before summing: fp16 range
-        self._pending[index] = C.all_reduce(flat, self.axis, async_op=True, inplace=True)
+        self._pending[index] = C.all_reduce(flat, self.bucket_axes[index], async_op=True,
+                                            inplace=True)
 
     def synchronize(self):
         """Finish the all-reduce of every bucket (see class docstring); once per optimizer step."""

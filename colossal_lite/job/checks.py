@@ -32,6 +32,7 @@ def check_layout(spec: JobSpec, layout, pipeline: Optional[PipelineSettings] = N
     * ``train.global_batch_size`` (samples per optimizer step) divisible by the data size
       times M, each replica's micro-batch by the tensor family's ``batch_split``;
       ``data.seq_len`` by its ``sequence_split``;
+    * ``parallel.expert`` dividing the data size;
     * the model's :class:`~colossal_lite.models.SizeRule` s (heads, hidden, vocabulary,
       image / patch, tokens) against the family's splits (``config/families.py``);
     * at least one block per pipeline stage: ``model.<layers>`` >= P * V; an explicit
@@ -40,6 +41,7 @@ def check_layout(spec: JobSpec, layout, pipeline: Optional[PipelineSettings] = N
       the last rank), so any split error left is caught here too (named ``model``).
     """
     pipeline = pipeline or PipelineSettings(size=layout.pipeline)
+    layout.check_expert()   # 'parallel.expert' divides the data size
     if spec.entry.builder is hf_causal_lm:
         check_hf_model(spec, layout)
     if auto is not None:
@@ -157,7 +159,8 @@ def check_rule(rule: SizeRule, layout, fam):
 
 
 def layout_text(layout) -> str:
-    return (f'data={layout.data} pipeline={layout.pipeline} tensor={layout.tensor} '
+    expert = f' expert={layout.expert}' if getattr(layout, 'expert', 1) > 1 else ''
+    return (f'data={layout.data}{expert} pipeline={layout.pipeline} tensor={layout.tensor} '
             f'({layout.mode or "none"}' + (f', depth {layout.depth})' if layout.mode == '2.5d' else ')'))
 
 

@@ -44,7 +44,9 @@ def building_on_meta() -> bool:
 
 
 def _replication(cuts: Tuple) -> Tuple[Tuple[ParallelMode, ...], Tuple[ParallelMode, ...]]:
-    """(replicated, grad_sum) of a parameter cut by ``cuts`` in the current context."""
+    """(replicated, grad_sum) of a parameter cut by ``cuts`` in the current context. An
+    expert parameter (cut over EXPERT) is replicated over, and its gradient summed over,
+    EXPERT_DATA instead of DATA (SEQUENCE_DP)."""
     ctx = current_context()
     layout = ctx.layout
     if layout is None:
@@ -53,9 +55,12 @@ def _replication(cuts: Tuple) -> Tuple[Tuple[ParallelMode, ...], Tuple[ParallelM
     cut_axes = {name for _, mode in cuts for name in axes[mode]}
     fam = family(layout.mode)
     single = [m for m, varying in fam.groups.items() if len(varying) == 1]
-    replicated = [m for m in [ParallelMode.DATA] + single
+    expert = any(mode is ParallelMode.EXPERT for _, mode in cuts)
+    data_mode = ParallelMode.EXPERT_DATA if expert else ParallelMode.DATA
+    replicated = [m for m in [data_mode] + single
                   if ctx.axis(m).size > 1 and not set(axes[m]) & cut_axes]
     grad_mode = ParallelMode.SEQUENCE_DP if fam.splits_sequence else ParallelMode.DATA
+    grad_mode = ParallelMode.EXPERT_DATA if expert else grad_mode
     grad_sum = (grad_mode,) if ctx.axis(grad_mode).size > 1 else ()
     return tuple(replicated), grad_sum
 

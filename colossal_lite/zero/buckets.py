@@ -2,7 +2,8 @@
 
 A :class:`FlatBucket` holds consecutive parameters (local tensor-parallel shards) of
 one optimizer param group, one dtype, one ``placement.grad_sum`` (reduce group DATA or
-SEQUENCE_DP) and one tuple of tensor-parallel cut modes; a weight tied across pipeline
+SEQUENCE_DP; EXPERT_DATA for expert parameters, whose shards differ across EXPERT) and one
+tuple of tensor-parallel cut modes; a weight tied across pipeline
 stages (EMBEDDING in its ``grad_sum``) is alone in its bucket. Its flat form is the
 parameters concatenated (``numel`` elements) and zero-padded to ``D * shard_numel``
 (D = reduce-group size); data-parallel rank r owns elements
@@ -26,15 +27,18 @@ import torch.distributed as dist
 
 from ..communication import collective as C
 from ..context import ParallelMode, ProcessGroupAxis, global_context as gpc
-from ..engine.gradient_handler import data_parallel_axis
+from ..engine.gradient_handler import data_parallel_axis, is_expert_parameter
 from ..tensor import param_placement, set_placement
 from ..tensor.placement import Placement
 
 
 def reduce_axis(param: torch.Tensor) -> ProcessGroupAxis:
-    """The group that sums ``param``'s gradient: its placement's ``grad_sum`` mode, else the
-    data-parallel axis (plain torch parameters, or a one-rank group). EMBEDDING (a weight
-    held by the first and the last pipeline stage) is summed separately, on the slices."""
+    """The group that sums ``param``'s gradient: EXPERT_DATA for an expert parameter, else
+    its placement's ``grad_sum`` mode, else the data-parallel axis (plain torch parameters,
+    or a one-rank group). EMBEDDING (a weight held by the first and the last pipeline stage)
+    is summed separately, on the slices."""
+    if is_expert_parameter(param):
+        return gpc.axis(ParallelMode.EXPERT_DATA)
     modes = [m for m in param_placement(param).grad_sum if m != ParallelMode.EMBEDDING]
     if len(modes) > 1:
         raise NotImplementedError(f'ZeRO shards a gradient over one group, but this parameter '

@@ -1,6 +1,7 @@
 """The ChunkManager: builds the chunks and moves them through their states.
 
-Collectives (all over a chunk's reduce group, the data-parallel axis ``data_parallel_axis()``):
+Collectives (all over a chunk's reduce group: the data-parallel axis ``data_parallel_axis()``,
+or EXPERT_DATA for a chunk of expert parameters -- ``buckets.reduce_axis``):
 
 * :meth:`access`: one all_gather of the chunk (``capacity`` elements, the parameters' dtype)
   when a tensor in it is about to compute and the chunk is not gathered;
@@ -34,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...communication import collective as C
+from ...engine.gradient_handler import data_parallel_axis
 from ..buckets import _bucket_key, reduce_axis
 from .chunk import Chunk, TensorState as S
 from .forecast import Forecast
@@ -83,7 +85,8 @@ class ChunkManager:
         parameters that hold no values yet (built on meta: ``lazy.init_shard``)."""
         if not params:
             raise ValueError('ZeRO stage 3 needs at least one parameter that requires grad')
-        axis = reduce_axis(params[0][0])
+        # every chunk a multiple of the largest reduce group (EXPERT_DATA divides it)
+        self.dp_size = data_parallel_axis().size
         self.capacity, self.scale, self.device = capacity_elems, scale, device
         groups = {id(p): g for p, g in params}
         limit = settings.device_memory_limit
@@ -93,7 +96,7 @@ class ChunkManager:
         self.groups = groups
         self.shapes = {id(p): p.shape for p, _ in params}
         self.numels = {id(p): p.numel() for p, _ in params}
-        packed = pack(params, capacity_elems, axis.size)
+        packed = pack(params, capacity_elems, self.dp_size)
         # the policy decides where each master lives, which the chunk needs at construction
         self.policy = build_placement(settings, [_Probe(i) for i in range(len(packed))],
                                       self.ledger, device)
@@ -130,7 +133,7 @@ class ChunkManager:
     def plan(self, ordered: Sequence[torch.nn.Parameter]) -> List[Tuple[list, int]]:
         """The packing of the parameters in ``ordered`` (every chunked parameter once)."""
         return pack([(p, self.groups[id(p)]) for p in ordered], self.capacity,
-                    self.chunks[0].axis.size, self.numels)
+                    self.dp_size, self.numels)
 
     @torch.no_grad()
     def repack(self, packed: List[Tuple[list, int]],
@@ -146,8 +149,8 @@ class ChunkManager:
             raise RuntimeError('chunks can be re-packed only between passes')
         where = {id(p): (k, o) for k, (ps, _) in enumerate(packed)
                  for p, o in zip(ps, itertools.accumulate([0] + [self.numels[id(q)] for q in ps]))}
-        d, rank = old[0].axis.size, old[0].axis.rank
-        sizes = [size // d for _, size in packed]
+        axes = [reduce_axis(ps[0]) for ps, _ in packed]   # a parameter keeps its reduce group
+        sizes = [size // axis.size for (_, size), axis in zip(packed, axes)]
         for chunk in old:   # the old shards homed on the device leave the ledger
             if self.policy.on_device(chunk):
                 self.ledger.free(16 * chunk.shard_numel)
@@ -163,6 +166,7 @@ class ChunkManager:
                 full = chunk.gather(shard.detach())
                 for p, o, n in zip(chunk.params, chunk.offsets, chunk.numels):
                     k, o2 = where[id(p)]
+                    rank = axes[k].rank
                     lo, hi = max(o2, rank * sizes[k]), min(o2 + n, (rank + 1) * sizes[k])
                     if lo < hi:
                         new[k][lo - rank * sizes[k]:hi - rank * sizes[k]].copy_(
