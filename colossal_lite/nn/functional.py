@@ -110,7 +110,10 @@ def check_ids(ids: torch.Tensor, num_embeddings: int, what: str = 'embedding'):
 
 
 def check_targets(labels: torch.Tensor, num_classes: int, ignore_index: int):
-    """Every label in [0, num_classes) or ``ignore_index``; run on the full labels (see check_ids)."""
+    """Every label in [0, num_classes) or ``ignore_index``; run on the full labels (see check_ids).
+    Skipped while a graph is traced (``auto/graph``): a traced program cannot branch on values."""
+    if torch.compiler.is_compiling():
+        return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= num_classes))
     if bad.any():
         raise IndexError(f'target {labels[bad][0].item()} is out of bounds for {num_classes} '
@@ -164,14 +167,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
                              f'attention\'s local batch), got {tuple(document_ids.shape)}')
         same = document_mask(document_ids.to(q.device), s_q)
         mask = same if mask is None else mask & same
-    if causal:
+    # a traced graph (auto/graph) states plain causal attention as is_causal (the same
+    # numbers), so the planner's attention rule sees no mask to place
+    is_causal = causal and mask is None and s_q == s_k and torch.compiler.is_compiling()
+    if causal and not is_causal:
         tri = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
         mask = tri if mask is None else mask & tri
     with rng():
         out = F.scaled_dot_product_attention(split_heads(q, s_q, heads),
                                              split_heads(k, s_k, kv_heads),
                                              split_heads(v, s_k, kv_heads), attn_mask=mask,
-                                             dropout_p=dropout_p, enable_gqa=kv_heads != heads)
+                                             dropout_p=dropout_p, is_causal=is_causal,
+                                             enable_gqa=kv_heads != heads)
     return out.transpose(1, 2).reshape(b, s_q, width)
 
 

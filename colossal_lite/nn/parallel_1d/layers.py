@@ -189,6 +189,10 @@ def qkv_1d(x, query: ColumnLinear1D, key, value):
     hook after it on the layer's own output view.
     """
     layers = (query, key, value)
+    if query.axis.size == 1 and torch.compiler.is_compiling():
+        # a traced serial model (auto/graph) sees the three projections the model names,
+        # which a graph plan can split one by one; storage joins are not traceable
+        return query(x), key(x), value(x)
     check_qkv_layers(layers, (ColumnLinear1D, GroupedKVLinear1D),
                      lambda layer: not layer.gather_output
                      and layer.axis.group is query.axis.group, "'enter' (gather_output=False) "
@@ -485,7 +489,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     torch's ``F.rms_norm``: the same forward ops (bit-identical output) in one autograd node
     with an analytic backward, instead of six nodes."""
     if (x.dtype == weight.dtype == torch.float32
-            and not torch.is_autocast_enabled(x.device.type)):
+            and (x.is_meta or not torch.is_autocast_enabled(x.device.type))):  # meta: no autocast
         return F.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
