@@ -310,3 +310,151 @@ def test_plans_for_llama3_8b_shapes_are_at_least_as_good_as_megatron():
     for plan in (best, fast):
         assert plan.predicted['memory_bytes'] <= budget * 2 ** 30
         assert plan.params['model.model.layers.1.mlp.gate_proj.weight'] != ['R']
+
+
+# ------------------------------------------------------------------ the lowered step
+def _lowered_and_interpreted(rank, budget_gb):
+    warnings.simplefilter('ignore')
+    from colossal_lite.auto import parallelize
+    from colossal_lite.communication.profile import comm_profile
+    ids = ids_batch()
+    model, plan = parallelize(WithLabels(tiny_llama()), (ids,), loss_fn=lm_loss, mesh=MESH,
+                              memory_gb=budget_gb)
+    runs = {}
+    for name in ('lowered', 'interpreted'):
+        if name == 'interpreted':
+            model.lowered = None
+        model.zero_grad()
+        model(ids)                               # the lowered step traces on first use
+        model.zero_grad()
+        with comm_profile() as stats:
+            loss = model(ids)
+            with model.backward_context():
+                (2 * loss).backward()            # the incoming scalar scales the gradients
+        runs[name] = dict(loss=loss.item(), bytes=dict(stats._bytes), calls=dict(stats._calls),
+                          grads={n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    return runs, plan.params
+
+
+def test_lowered_step_equals_the_interpreter_and_issues_the_same_collectives():
+    """A budgeted (sharded) plan: the lowered per-rank program gives the interpreter's loss
+    and gradients (also under a scaled backward) and the same collectives, op by op."""
+    runs, params = run_distributed(_lowered_and_interpreted, 4, None, 0.0004)[0]
+    assert any(p != ['R', 'R'] for p in params.values())          # something is sharded
+    lowered, interpreted = runs['lowered'], runs['interpreted']
+    assert lowered['loss'] == pytest.approx(interpreted['loss'], rel=1e-6)
+    assert lowered['bytes'] == interpreted['bytes'] and lowered['bytes']
+    assert lowered['calls'] == interpreted['calls']
+    for name, grad in interpreted['grads'].items():
+        assert max_rel_diff(lowered['grads'][name], grad) < 1e-5, name
+
+
+def test_random_ops_are_not_lowered_but_dropout_zero_is():
+    from colossal_lite.auto.graph.lower import has_random_ops
+
+    class Drop(torch.nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.lin, self.p = torch.nn.Linear(4, 4), p
+
+        def forward(self, x):
+            return torch.nn.functional.dropout(self.lin(x), self.p).sum()
+
+    x = torch.randn(2, 4)
+    assert has_random_ops(capture(Drop(0.5), (x,)).graph)
+    assert not has_random_ops(capture(Drop(0.0), (x,)).graph)
+
+
+# ------------------------------------------------------------------ head-aligned fused splits
+FUSED_PINS = {f'model.transformer.h.{i}.attn.c_attn.{kind}': ['R', f'S{dim}:3']
+              for i in range(2) for kind, dim in (('weight', 1), ('bias', 0))}
+
+
+def test_fused_qkv_chains_get_head_aligned_strided_strategies():
+    """GPT-2's c_attn (addmm -> view -> split into q, k, v) is marked in both layers, and
+    only its chain is offered the strided placement."""
+    from tests.auto_graph_models import CASES
+    case = CASES['gpt2']
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        captured = capture(case.build(), case.inputs(), case.loss_fn)
+    marked = {n.name: n.meta['fused'] for n in captured.graph.nodes if 'fused' in n.meta}
+    splits = [n for n in captured.graph.nodes if 'fused_split' in n.meta]
+    assert len(splits) == 2 and all(n.meta['fused_split'] == (2, 3) for n in splits)
+    space = Space(captured, (2, 2))
+    names = {d.source or d.name: {tuple(placement_name(p) for p in s.outputs[0])
+                                  for s in d.strategies if s.outputs and s.outputs[0]}
+             for d in space.decisions}
+    assert ('R', 'S1:3') in names['model.transformer.h.0.attn.c_attn.weight']
+    assert ('S1:3', 'S1:3') not in names['model.transformer.h.0.attn.c_attn.weight']  # 32/3/4
+    assert not any(':' in ''.join(sum(map(list, v), [])) for k, v in names.items()
+                   if 'c_attn' not in str(k) and k not in marked)
+
+
+def _fused_steps(rank, path):
+    warnings.simplefilter('ignore')
+    import colossal_lite
+    from colossal_lite import checkpoint
+    from colossal_lite.auto import parallelize
+    from colossal_lite.communication.profile import comm_profile
+    from tests.auto_graph_models import CASES
+    case = CASES['gpt2']
+    inputs = case.inputs()
+    model, plan = parallelize(case.build(), inputs, loss_fn=case.loss_fn, mesh=MESH,
+                              pins=FUSED_PINS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+    engine = colossal_lite.initialize(model, opt, config={})[0]
+    losses = []
+    for _ in range(2):
+        with comm_profile() as stats:
+            loss = engine(*inputs)
+            engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    checkpoint.save(path, engine)
+    split = next(n for n in model._captured.graph.nodes if 'fused_split' in n.meta)
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    # the checkpoint loads back into the strided placements
+    again, _ = parallelize(case.build(), inputs, loss_fn=case.loss_fn, plan=plan)
+    with torch.no_grad():
+        for p in again.parameters():
+            p.zero_()
+    checkpoint.load(path, colossal_lite.initialize(
+        again, torch.optim.AdamW(again.parameters(), lr=1e-2, eps=1e-3), config={})[0])
+    reloaded = all(torch.equal(p.full_tensor(), params[n]) for n, p in again.named_parameters())
+    return losses, params, plan.nodes[split.name], model.lowered.failure, reloaded
+
+
+def test_head_aligned_split_of_gpt2_qkv_equals_serial_and_checkpoints(tmp_path):
+    """c_attn held as [q_r | k_r | v_r] per tensor rank (``S1:3``): two AdamW steps equal the
+    serial model, the split needs no collective, and the checkpoint (saved replicated on
+    that axis) loads back into the strided placements and into a serial engine."""
+    import colossal_lite
+    from colossal_lite import checkpoint
+    from tests.auto_graph_models import CASES
+    case = CASES['gpt2']
+    inputs = case.inputs()
+    serial = case.build()
+    opt = torch.optim.AdamW(serial.parameters(), lr=1e-2, eps=1e-3)
+    serial_losses = []
+    for _ in range(2):
+        loss = case.loss_fn(serial(*inputs), *inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        serial_losses.append(loss.item())
+    path = str(tmp_path / 'ckpt')
+    for losses, params, split, failure, reloaded in run_distributed(_fused_steps, 4, None,
+                                                                     path, timeout=240):
+        assert failure is None and reloaded     # ran as the lowered program; loads back
+        assert split['in'][0] == ['R', 'S2:3'] and not split.get('moves')   # no collective
+        assert max(abs(a - b) for a, b in zip(losses, serial_losses)) < 1e-5
+        for name, p in serial.named_parameters():
+            assert max_rel_diff(params[name], p.detach()) < 1e-5, name
+    fresh = case.build()
+    engine = colossal_lite.initialize(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2,
+                                                               eps=1e-3), config={})[0]
+    checkpoint.load(path, engine)
+    for name, p in serial.named_parameters():
+        assert max_rel_diff(dict(fresh.named_parameters())[name].detach(), p.detach()) < 1e-5

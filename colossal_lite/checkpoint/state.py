@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..context import ParallelMode, seed_manager
 from ..tensor import param_placement, to_dtensor
@@ -118,6 +119,16 @@ def optimizer_params(engine) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------- tensors
+def dcp_ready(t: DTensor) -> DTensor:
+    """``t`` as DCP can store it, one contiguous chunk per rank: a strided shard (a graph
+    plan's head-aligned split of a fused projection) is replicated on its mesh axis
+    (collective over that axis); other placements are kept."""
+    if not any(isinstance(p, _StridedShard) for p in t.placements):
+        return t
+    return t.redistribute(t.device_mesh, [Replicate() if isinstance(p, _StridedShard) else p
+                                          for p in t.placements])
+
+
 def _full_optimizer_state(engine) -> Dict[str, Dict[str, object]]:
     """``{serial name: {slot: full tensor or number}}`` (collective over the cuts)."""
     optimizer = engine.optimizer
@@ -191,7 +202,7 @@ def sharded_tensor_state(engine, views: DTensorViews) -> Dict[str, torch.Tensor]
     else:
         for name, p in _model_params(engine.model):
             if isinstance(p, DTensor):    # placed by a graph plan: its own DTensor
-                flat[MODEL + name] = p.detach()
+                flat[MODEL + name] = dcp_ready(p.detach())
                 continue
             placement, weight = param_placement(p), masters.get(id(p), p).detach()
             dt = views.view(weight, placement)
@@ -207,7 +218,7 @@ def sharded_tensor_state(engine, views: DTensorViews) -> Dict[str, torch.Tensor]
             placement = param_placement(p)
             for slot, value in optimizer.state.get(t, {}).items():
                 if isinstance(value, DTensor):
-                    value = value.detach()
+                    value = dcp_ready(value.detach())
                 elif torch.is_tensor(value) and value.dim() > 0:
                     dt = views.view(value.detach(), placement)
                     value = dt if dt is not None else placement.gather(value.detach())
@@ -237,8 +248,8 @@ def sharded_targets(engine, saved: dict, views: DTensorViews) -> Dict[str, torch
             p = params.get(key[:key.rfind('.') + 1])
         if isinstance(p, DTensor) and tuple(meta.size) == tuple(p.shape):
             same = key.startswith(MODEL) and p.dtype == meta.properties.dtype
-            out[key] = p.detach() if same else \
-                torch.empty_like(p.detach(), dtype=meta.properties.dtype)
+            out[key] = dcp_ready(p.detach() if same else
+                                 torch.empty_like(p.detach(), dtype=meta.properties.dtype))
             continue
         placement = param_placement(p) if p is not None else None
         if placement is not None and tuple(meta.size) == placement.shape:
@@ -269,8 +280,10 @@ def load_sharded_tensor_state(engine, flat: Dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, p in _model_params(engine.model):
             if MODEL + name in local:
-                (p.to_local() if isinstance(p, DTensor) else p).copy_(
-                    local[MODEL + name].to_local())
+                loaded = local[MODEL + name]
+                if isinstance(p, DTensor) and tuple(loaded.placements) != tuple(p.placements):
+                    loaded = loaded.redistribute(p.device_mesh, p.placements)
+                (p.to_local() if isinstance(p, DTensor) else p).copy_(loaded.to_local())
     model_full = {k[len(MODEL):]: v for k, v in full.items() if k.startswith(MODEL)}
     if model_full:
         engine.model.load_state_dict(model_full, strict=False)

@@ -22,6 +22,7 @@ from ...context.parallel_context import current_context
 from ..cluster import ClusterProfile, load_profile
 from .cost import GraphCost
 from .execute import CollectiveCounter, GraphRunner, distribute_parameters
+from .lower import LoweredStep, has_random_ops
 from .plan import Plan, names
 from .solver import InfeasibleBudget, solve
 from .space import Space
@@ -191,6 +192,10 @@ class AutoParallelModel(nn.Module):
                               if e['op'] in ('param', 'buffer', 'constant', 'input')}
         self._runner = GraphRunner(captured, mesh, self._choice, self._placeholders)
         self._counter = CollectiveCounter(mesh)
+        # graphs with random ops run through the interpreter (see lower.py)
+        self.lowered = None if has_random_ops(captured.graph) else LoweredStep(
+            self._runner.run, [kind == 'param' for kind, _ in captured.inputs],
+            self._counter.entry)
 
     @property
     def last_deviations(self) -> Dict[str, int]:
@@ -214,6 +219,10 @@ class AutoParallelModel(nn.Module):
                 values.append(self._captured.constants[source])
             else:
                 values.append(inputs[source])
+        if self.lowered is not None and torch.is_grad_enabled():
+            program = self.lowered.program(values)     # traced (uncounted) on first use
+            if program is not None:
+                return self.lowered.run(program, values)
         with self._counter:
             return self._runner.run(*values)
 

@@ -41,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..cluster import ClusterProfile
 from .solver import Edge, Problem
@@ -97,7 +98,7 @@ def _classes(items: list) -> Tuple[np.ndarray, list]:
 def _ways(placements, mesh_shape) -> int:
     ways = 1
     for p, k in zip(placements, mesh_shape):
-        if isinstance(p, (Shard, Partial)):
+        if isinstance(p, (Shard, _StridedShard, Partial)):
             ways *= k
     return ways
 
@@ -105,7 +106,7 @@ def _ways(placements, mesh_shape) -> int:
 def _shard_ways(placements, mesh_shape) -> int:
     ways = 1
     for p, k in zip(placements, mesh_shape):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             ways *= k
     return ways
 
@@ -134,8 +135,8 @@ class GraphCost:
         """``(op, axis, buffer bytes)`` turning ``src`` into ``dst`` for a tensor of
         ``nbytes``; None if impossible. Axes are converted innermost first (DTensor's
         order), each at the sharding the other axes have at that moment."""
-        if any(d[0] == 'P' and s != d for s, d in zip(src, dst)):
-            return None
+        if any(s != d and (d[0] == 'P' or ':' in s or ':' in d) for s, d in zip(src, dst)):
+            return None        # no Partial is made by a move; strided ones never move
         steps = []
         now = list(src)
         for axis in reversed(range(len(now))):

@@ -23,13 +23,13 @@ backward) in our communication profile, with the buffer-byte convention of
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...communication import profile as comm_profile
@@ -64,18 +64,29 @@ class CollectiveCounter(TorchDispatchMode):
             mode = next((m for m in ParallelMode if m.value == name), ParallelMode.GLOBAL)
             self.modes[group.group_name] = (mode, mesh.size(i))
 
+    def entry(self, func, args, kwargs) -> Optional[Tuple[ParallelMode, str, int, int]]:
+        """``(mode, op, buffer bytes, group size)`` of a functional collective call (None
+        for any other op or a one-rank group); ``args[0]`` needs ``numel``/``element_size``
+        or a ``meta['val']`` holding them (an fx node)."""
+        if func not in _COLLECTIVES:
+            return None
+        op, nbytes = _COLLECTIVES[func]
+        tensor = args[0]
+        if isinstance(tensor, torch.fx.Node):
+            tensor = tensor.meta['val']
+        group_name = args[-1] if isinstance(args[-1], str) else kwargs.get('group_name')
+        mode, size = self.modes.get(group_name, (ParallelMode.GLOBAL, 1))
+        if size <= 1:
+            return None
+        return mode, op, nbytes(tensor.numel() * tensor.element_size(), size), size
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented       # let DTensor lower to collectives first
-        if func in _COLLECTIVES:
-            op, nbytes = _COLLECTIVES[func]
-            tensor = args[0]
-            group_name = args[-1] if isinstance(args[-1], str) else kwargs.get('group_name')
-            mode, size = self.modes.get(group_name, (ParallelMode.GLOBAL, 1))
-            if size > 1:
-                comm_profile.record(mode, op, nbytes(tensor.numel() * tensor.element_size(),
-                                                     size), size)
+        hit = self.entry(func, args, kwargs)
+        if hit is not None:
+            comm_profile.record(*hit)
         return func(*args, **kwargs)
 
 
@@ -92,6 +103,16 @@ class _GradToPlacement(torch.autograd.Function):
         if isinstance(grad, DTensor) and grad.placements != ctx.placements:
             grad = grad.redistribute(ctx.mesh, ctx.placements)
         return grad
+
+
+def _grad_placements(given, out) -> tuple:
+    """Where the gradient of a local op's input lands (the dual rule): on an axis where
+    the input is replicated but the op's output is split (or partial), each rank's local
+    gradient is a partial sum; elsewhere it has the input's placement."""
+    if out is None:
+        return tuple(given)
+    return tuple(Partial() if isinstance(g, Replicate) and not isinstance(o, Replicate)
+                 else g for g, o in zip(given, out))
 
 
 def _as_dtensor(value, mesh: DeviceMesh):
@@ -158,14 +179,20 @@ class GraphRunner(torch.fx.Interpreter):
             want = strategy.inputs[slot] if slot < len(strategy.inputs) else None
             if isinstance(value, torch.Tensor):
                 value = self._to(value, want)
-                if strategy.local:
-                    value = value.to_local()
+                if strategy.local and node.target not in _VIEWS:
+                    value = value.to_local(grad_placements=_grad_placements(
+                        value.placements, strategy.outputs[0]))
             moved.append(value)
             slot += 1
         args, kwargs = torch.utils._pytree.tree_unflatten(moved, spec)
-        if node.target in _VIEWS and not strategy.local:
+        if node.target in _VIEWS:
             return self._local_view(node, args[0], strategy)
-        out = node.target(*args, **kwargs)
+        split = node.meta.get('fused_split')
+        if split is not None and strategy.local:    # a strided fused output into its pieces
+            dim, pieces = split
+            out = torch.split(args[0], args[0].shape[dim] // pieces, dim=dim)
+        else:
+            out = node.target(*args, **kwargs)
         out = self._place_outputs(node, out, strategy)
         return out
 
@@ -175,7 +202,7 @@ class GraphRunner(torch.fx.Interpreter):
         through a collective or a local kernel need not be."""
         meta = node.meta['val']
         want = strategy.outputs[0]
-        shape, _ = compute_local_shape_and_global_offset(meta.shape, self.mesh, want)
+        shape = local_shape(meta.shape, self.mesh, want)
         local = value.to_local().reshape(shape)
         return DTensor.from_local(local, self.mesh, want, run_check=False,
                                   shape=meta.shape, stride=meta.stride())
@@ -205,8 +232,26 @@ class GraphRunner(torch.fx.Interpreter):
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
+def local_shape(shape, mesh: DeviceMesh, placements) -> List[int]:
+    """This rank's shard shape: computed from sizes alone (no tensor op, so a trace of the
+    step does not read a value), as DTensor's chunking gives it."""
+    shape = list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, _StridedShard):        # evenly split pieces (strategies.fits)
+            shape[p.dim] //= mesh.size(axis)
+        elif isinstance(p, Shard):
+            ways, index = mesh.size(axis), mesh.get_local_rank(axis)
+            size = shape[p.dim]
+            if size % ways == 0:
+                shape[p.dim] = size // ways
+            else:       # torch.chunk: ceil-sized pieces, the last ones short or empty
+                piece = -(-size // ways)
+                shape[p.dim] = max(0, min(piece, size - piece * index))
+    return shape
+
+
 def _check_shard(node, value: DTensor, mesh: DeviceMesh) -> None:
-    shape, _ = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
+    shape = local_shape(value.shape, mesh, value.placements)
     if tuple(shape) != tuple(value.to_local().shape):
         raise AssertionError(f'{node.name} ({node.target}): local shape '
                              f'{tuple(value.to_local().shape)} does not match placements '

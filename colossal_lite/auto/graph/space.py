@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from .strategies import Strategy, axis_states, fits, node_strategies, outputs_of, tensor_args
+from .strategies import (Strategy, axis_states, fits, node_strategies, outputs_of,
+                         strided_state, tensor_args)
 from .trace import Captured
 
 
@@ -51,7 +53,8 @@ class Space:
             val = node.meta.get('val')
             if not isinstance(val, torch.Tensor) or not node.users:
                 continue   # e.g. the unread alias of a tied weight: the read one decides
-            states = [axis_states(val, k, partial=False) for k in self.mesh_shape]
+            states = [axis_states(val, k, partial=False) + strided_state(val, node, k)
+                      for k in self.mesh_shape]
             options = [Strategy((), (tuple(p),)) for p in itertools.product(*states)
                        if fits(val, p, self.mesh_shape)]
             self._add(Decision(node, kind, options, source), alias)
@@ -91,19 +94,41 @@ class Space:
 
 def reachable(src, dst) -> bool:
     """Whether redistribution can turn placements ``src`` into ``dst``: a Partial is only
-    ever produced by an op (DTensor does not make one from a Replicate or a Shard)."""
-    return all(not d.is_partial() or s == d for s, d in zip(src, dst))
+    ever produced by an op (DTensor does not make one from a Replicate or a Shard), and a
+    strided shard (``fused.py``) is neither moved nor made by a move."""
+    return all(s == d or not (d.is_partial() or isinstance(s, _StridedShard)
+                              or isinstance(d, _StridedShard)) for s, d in zip(src, dst))
+
+
+def _strided(placements) -> bool:
+    return placements is not None and any(isinstance(p, _StridedShard) for p in placements)
+
+
+def _valid(space: Space, picked: List[int], i: int) -> List[int]:
+    """The strategies of decision i whose inputs its producers' picks can reach."""
+    d = space.decisions[i]
+    return [k for k, s in enumerate(d.strategies)
+            if all(pr is None or want is None or
+                   reachable(space.decisions[pr[0]].strategies[picked[pr[0]]].outputs[pr[1]],
+                             want)
+                   for pr, want in zip(d.producers, s.inputs))]
 
 
 def random_choice(space: Space, rng) -> List[int]:
     """A uniformly drawn valid choice (no input asks for a Partial its producer does not
-    give): the test of the executor on plans no cost model would pick."""
+    give, no strided shard moves): the test of the executor on plans no cost model would
+    pick. A strided pick that leaves a consumer nothing is redrawn without strided outputs
+    (strided chains have one user per link, so no other consumer depends on it)."""
     picked: List[int] = []
-    for d in space.decisions:
-        ok = [k for k, s in enumerate(d.strategies)
-              if all(pr is None or want is None or
-                     reachable(space.decisions[pr[0]].strategies[picked[pr[0]]].outputs[pr[1]],
-                               want)
-                     for pr, want in zip(d.producers, s.inputs))]
+    for i, d in enumerate(space.decisions):
+        ok = _valid(space, picked, i)
+        if not ok:
+            for pr in d.producers:
+                prod = space.decisions[pr[0]] if pr is not None else None
+                if prod is not None and _strided(prod.strategies[picked[pr[0]]].outputs[pr[1]]):
+                    plain = [k for k in _valid(space, picked, pr[0])
+                             if not any(_strided(o) for o in prod.strategies[k].outputs)]
+                    picked[pr[0]] = rng.choice(plain)
+            ok = _valid(space, picked, i)
         picked.append(rng.choice(ok))
     return picked

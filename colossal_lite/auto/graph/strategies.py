@@ -13,7 +13,9 @@ input, and the output placement it reports is the strategy's output. This uses o
 entry point DTensor itself uses, so it follows torch's rules as they change.
 
 Our own rules (``OWN_RULES``) cover what DTensor lacks on CPU: scaled dot-product attention
-(batch or head split; kv heads must divide too), and factory ops (replicated, computed locally); graph asserts are no decision at all
+(batch or head split; kv heads must divide too), factory ops (replicated, computed locally),
+and the head-aligned strided splits of fused projections (``fused.py``: ``_StridedShard``,
+named ``S<dim>:<pieces>``, offered only along the marked chains); graph asserts are no decision at all
 (``space.NO_OPS``). An op with no rule at all keeps only the all-Replicate strategy;
 it is listed by name (``Strategies.unruled``) in a warning and in ``Plan.explain()``.
 """
@@ -29,7 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from .fused import MATMULS, TRANSPOSES, VIEWS as FUSED_VIEWS, transposed_dim
 
 aten = torch.ops.aten
 
@@ -176,11 +180,10 @@ def _sdpa_rules(node: torch.fx.Node, k: int) -> List[Strategy]:
             elif i < 3:
                 ins.append((p,))
             else:  # attention mask: split only where it is not broadcast
-                m = s.meta['val']
-                d = p.dim if isinstance(p, Shard) else None
-                broadcast = d is None or m.dim() <= d or m.shape[d - m.dim() + q.dim()] == 1 \
-                    if d is not None else True
-                ins.append((Replicate(),) if broadcast else (p,))
+                m = s.meta['val']        # broadcast against q from the right
+                md = p.dim - q.dim() + m.dim() if isinstance(p, Shard) else -1
+                broadcast = md < 0 or m.shape[md] == 1
+                ins.append((Replicate(),) if broadcast else (Shard(md),))
         out.append(Strategy(tuple(ins), ((p,),), local=True))
     return out
 
@@ -190,6 +193,50 @@ def _replicated(node: torch.fx.Node, k: int) -> List[Strategy]:
     ins = tuple((Replicate(),) if s is not None else None for s in slots)
     outs = tuple((Replicate(),) if o is not None else None for o in outputs_of(node))
     return [Strategy(ins, outs, local=True)]
+
+
+def strided_state(val: torch.Tensor, node: torch.fx.Node, k: int) -> List[Placement]:
+    """``[_StridedShard(d, m)]`` when ``node`` is on a fused chain (``meta['fused']``) whose
+    m pieces each split k ways, else ``[]``."""
+    mark = node.meta.get('fused')
+    if mark is None or val is None:
+        return []
+    d, m = mark
+    return [_StridedShard(d, split_factor=m)] if val.shape[d] % (m * k) == 0 else []
+
+
+def strided_rules(node: torch.fx.Node, k: int) -> List[Strategy]:
+    """The strided strategies of a node on a fused chain (run on local shards): the chain's
+    input arrives strided and the output leaves strided; a matmul's other operand is
+    replicated; the split hands out its pieces as plain ``Shard``."""
+    slots = tensor_args(node)
+    split = node.meta.get('fused_split')
+    if split is not None:
+        d, m = split
+        src = slots[0].meta['val']
+        if src.shape[d] % (m * k):
+            return []
+        outs = tuple((Shard(d),) if o is not None else None for o in outputs_of(node))
+        ins = ((_StridedShard(d, split_factor=m),),) + tuple(None for _ in slots[1:])
+        return [Strategy(ins, outs, local=True)]
+    out = strided_state(node.meta['val'], node, k)
+    if not out:
+        return []
+    d, m = node.meta['fused']
+    if node.target in MATMULS:
+        *bias, a, w = slots
+        ins = tuple((_StridedShard(0, split_factor=m),) for _ in bias) + \
+            ((Replicate(),), (_StridedShard(1, split_factor=m),))
+    elif node.target in TRANSPOSES:
+        ins = ((_StridedShard(transposed_dim(node, d), split_factor=m),),) + \
+            tuple(None for _ in slots[1:])
+    elif node.target in FUSED_VIEWS:
+        src = slots[0].meta['val']
+        ins = ((_StridedShard(src.dim() - 1, split_factor=m),),) + \
+            tuple(None for _ in slots[1:])
+    else:
+        return []
+    return [Strategy(ins, ((out[0],),), local=True)]
 
 
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -214,7 +261,8 @@ def _signature(node: torch.fx.Node):
         return repr(a)
     flat, spec = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
     outs = tuple((tuple(o.shape), o.dtype) if o is not None else None for o in outputs_of(node))
-    return (node.target, tuple(key(a) for a in flat), str(spec), outs)
+    return (node.target, tuple(key(a) for a in flat), str(spec), outs,
+            node.meta.get('fused'), node.meta.get('fused_split'))
 
 
 _CACHE: Dict[tuple, Tuple[List[Strategy], bool]] = {}
@@ -230,6 +278,11 @@ def axis_strategies(node: torch.fx.Node, k: int) -> Tuple[List[Strategy], bool]:
 
 
 def _axis_strategies(node: torch.fx.Node, k: int) -> Tuple[List[Strategy], bool]:
+    rules, ruled = _plain_axis_strategies(node, k)
+    return rules + strided_rules(node, k), ruled
+
+
+def _plain_axis_strategies(node: torch.fx.Node, k: int) -> Tuple[List[Strategy], bool]:
     op = node.target
     if op in OWN_RULES:
         return OWN_RULES[op](node, k), True
@@ -284,11 +337,20 @@ def fits(val: Optional[torch.Tensor], placements: Optional[Placements],
         return True
     ways: Dict[int, List[int]] = {}
     for p, k in zip(placements, mesh_shape):
-        if isinstance(p, Shard):
+        if isinstance(p, _StridedShard):   # each of its pieces splits k ways, nothing nests
+            d = p.dim % max(val.dim(), 1)
+            if val.dim() == 0 or d in ways or val.shape[d] % (p.split_factor * k):
+                return False
+            ways[d] = [k, 0]
+        elif isinstance(p, Shard):
             if val.dim() == 0:
                 return False
             ways.setdefault(p.dim % val.dim(), []).append(k)
     for d, ks in ways.items():
+        if 0 in ks:                        # a strided dim split on another axis too
+            if len(ks) > 2:
+                return False
+            continue
         total = 1
         for k in ks:
             total *= k
@@ -298,6 +360,8 @@ def fits(val: Optional[torch.Tensor], placements: Optional[Placements],
 
 
 def placement_name(p: Placement) -> str:
+    if isinstance(p, _StridedShard):
+        return f'S{p.dim}:{p.split_factor}'
     if isinstance(p, Shard):
         return f'S{p.dim}'
     if isinstance(p, Partial):
@@ -310,6 +374,10 @@ def placement_from_name(name: str) -> Placement:
         return Replicate()
     if name.startswith('P'):
         return Partial(name[1:] or 'sum')
+    if name.startswith('S') and ':' in name:
+        dim, pieces = name[1:].split(':')
+        return _StridedShard(int(dim), split_factor=int(pieces))
     if name.startswith('S'):
         return Shard(int(name[1:]))
-    raise ValueError(f'unknown placement {name!r}; expected R, S<dim> or P[op]')
+    raise ValueError(f'unknown placement {name!r}; expected R, S<dim>, S<dim>:<pieces> or '
+                     f'P[op]')

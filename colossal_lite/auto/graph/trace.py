@@ -23,6 +23,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from .fused import mark_fused
+
 # ops kept whole through decomposition: the planner has its own rules for them
 KEEP = (torch.ops.aten.scaled_dot_product_attention.default,)
 
@@ -120,6 +122,7 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor],
             or result[0].meta['val'].numel() != 1:
         raise ValueError(f'{type(model).__name__} with loss_fn={loss_fn!r} must return one '
                          f'scalar loss to be planned; pass loss_fn(output, *inputs)')
+    mark_fused(gm.graph)        # head-aligned splits of fused projections (fused.py)
     return Captured(gm, inputs, constants)
 
 
