@@ -6,8 +6,9 @@ from .layers import (AttentionCore, Classifier, CrossEntropyLoss, Dropout, Embed
 from .functional import document_ids
 from .registry import implementation, register
 from . import optimizer
+from .moe import MoE
 
 __all__ = ['AttentionCore', 'Classifier', 'CrossEntropyLoss', 'Dropout', 'Embedding',
            'KeyValueLinear', 'LayerNorm', 'Linear', 'RMSNorm', 'local_positions', 'PatchEmbedding', 'VocabParallelClassifier', 'VocabParallelEmbedding',
            'gather_logits', 'first_token', 'place_qkv_adjacent', 'project_qkv', 'implementation',
-           'register', 'optimizer', 'document_ids']
+           'register', 'optimizer', 'document_ids', 'MoE']

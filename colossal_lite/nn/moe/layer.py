@@ -1,0 +1,234 @@
+"""``MoE``: a mixture-of-experts layer (router -> dispatch -> experts -> combine).
+
+Input ``x [..., s, h]`` (any leading dims; a batch row is one sequence of the second-to-last
+dim), output the same shape. Each rank holds its own tokens whole (hidden not split): the
+serial model, data parallelism, 1D tensor parallelism (x replicated over the tensor group)
+and the sequence modes (x split along s).
+
+Per forward, with ``N`` local tokens and E expert ranks:
+
+1. route (``router.py``, fp32): ``experts [N, k]``, ``weights [N, k]``;
+2. statistics (training only): ``tokens_per_expert`` = one all_reduce of ``[experts]``
+   int64 over ``stats_axis`` (the ranks holding other tokens: DATA, or SEQUENCE_DP in the
+   sequence modes); the losses of ``losses.py``;
+3. capacity drops when ``capacity_factor`` (``dispatch.capacity_keep``), then the kept
+   slots sorted by expert (``dispatch.sort_slots``);
+4. with E > 1, counts then rows by all_to_all over EXPERT to the experts' ranks
+   (``dispatch.ExpertExchange``), the local experts on their segments
+   (``experts.GroupedExperts``), the reverse all_to_all;
+5. ``combine``: the weighted sum of each token's slots; plus the shared experts
+   (``experts.SharedExperts``, gated by ``sigmoid(x w_g)`` when ``shared_gate``).
+
+Parameters: ``router.weight [experts, h]`` and the shared experts are dense (replicated,
+gradient summed over DATA); ``experts.gate``, ``experts.up`` ``[experts, h, f]`` and
+``experts.down [experts, f, h]`` are cut along dim 0 over EXPERT (gradient summed over
+EXPERT_DATA). Buffer ``router.balance.bias [experts]`` (with ``bias_update_rate > 0``).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ...communication import collective as C
+from ...config.families import family
+from ...config.layout import EXPERT_TENSOR_MODES
+from ...context import ParallelMode, ProcessGroupAxis, current_context
+from ...tensor import Init, new_parameter
+from .dispatch import ExpertExchange, capacity, capacity_keep, combine, sort_slots
+from .experts import GroupedExperts, SharedExperts
+from .losses import attach_loss, load_balancing_loss, z_loss
+from .router import TopKRouter, uniform_init
+
+
+def token_axis() -> ProcessGroupAxis:
+    """The ranks holding other tokens of the step (the default ``stats_axis``): SEQUENCE_DP
+    in the sequence modes, else DATA; a one-rank stand-in when serial."""
+    ctx = current_context()
+    if family(ctx.tensor_mode).splits_sequence:
+        return ctx.axis(ParallelMode.SEQUENCE_DP)
+    return ctx.axis(ParallelMode.DATA)
+
+
+def _sequence_ranks() -> int:
+    ctx = current_context()
+    return ctx.axis(ParallelMode.SEQUENCE).size if family(ctx.tensor_mode).splits_sequence else 1
+
+
+def _check_layout(capacity_factor):
+    layout = current_context().layout
+    if layout is None:
+        return
+    if layout.mode not in EXPERT_TENSOR_MODES:
+        raise NotImplementedError(f"MoE needs each token's hidden vector whole; tensor mode "
+                                  f"{layout.mode!r} splits it (supported: "
+                                  f"{EXPERT_TENSOR_MODES})")
+    if layout.mode == '1d' and layout.sequence_parallel:
+        raise NotImplementedError('MoE with 1D sequence_parallel=True is not supported yet')
+    if capacity_factor is not None and family(layout.mode).splits_sequence:
+        raise NotImplementedError(f"MoE capacity_factor counts per whole sequence; tensor mode "
+                                  f"{layout.mode!r} splits sequences over ranks")
+
+
+class SharedGate(nn.Module):
+    """Qwen2-MoE's shared-expert gate ``sigmoid(x w^T)``, ``weight [1, h]`` (replicated)."""
+
+    def __init__(self, hidden: int, weight_init: Optional[Init] = None):
+        super().__init__()
+        self.weight = new_parameter((1, hidden), init=weight_init or uniform_init(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x @ self.weight.t())
+
+
+class MoE(nn.Module):
+    """Mixture of ``experts`` SwiGLU experts of width ``ffn_hidden``, ``top_k`` per token.
+
+    ``score``: 'softmax' | 'sigmoid'; ``renormalize``: top-k weights divided by their sum.
+    ``capacity_factor``: None (dropless) or > 0: ``C = ceil(cf * s * k / experts)`` slots
+    per expert and batch row, earlier tokens kept. ``aux_loss_coef``, ``z_loss_coef``: the
+    losses of ``losses.py``, added to the gradient through the output (forward signature and
+    training loss unchanged; ``aux_loss_scale`` for AMP / micro-batches). ``bias_update_rate``
+    > 0: DeepSeek-V3 bias balancing, the bias moved by :meth:`update_balance_bias`.
+    ``shared_experts`` n always-on experts of width ``shared_ffn_hidden`` (default
+    ``ffn_hidden``), gated when ``shared_gate``. ``weight_init(tensor, generator)`` for every
+    weight (default: U(+-1/sqrt(fan_in))). ``expert_axis`` (default EXPERT of the launched
+    layout) and ``stats_axis`` (default :func:`token_axis`) are ProcessGroupAxis.
+
+    After each training forward: ``last_tokens_per_expert`` (int64 ``[experts]``: slots
+    routed per expert, before drops, summed over ``stats_axis``; local counts in eval),
+    ``last_aux_loss`` and ``last_z_loss`` (detached, coef included, this rank's value: the
+    serial value is their mean over ``stats_axis``).
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, experts: int, top_k: int, *,
+                 score: str = 'softmax', renormalize: bool = True,
+                 capacity_factor: Optional[float] = None, aux_loss_coef: float = 0.0,
+                 z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
+                 shared_experts: int = 0, shared_ffn_hidden: Optional[int] = None,
+                 shared_gate: bool = False, weight_init: Optional[Init] = None,
+                 expert_axis: Optional[ProcessGroupAxis] = None,
+                 stats_axis: Optional[ProcessGroupAxis] = None):
+        super().__init__()
+        if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(
+                capacity_factor, numbers.Real) or not capacity_factor > 0):
+            raise ValueError(f'MoE capacity_factor must be None (dropless) or a number > 0, '
+                             f'got {capacity_factor!r}')
+        for name, value in (('aux_loss_coef', aux_loss_coef), ('z_loss_coef', z_loss_coef),
+                            ('bias_update_rate', bias_update_rate)):
+            if not value >= 0:
+                raise ValueError(f'MoE {name} must be >= 0, got {value!r}')
+        if shared_experts < 0:
+            raise ValueError(f'MoE shared_experts must be >= 0, got {shared_experts}')
+        _check_layout(capacity_factor)
+        self.num_experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.bias_update_rate = bias_update_rate
+        self.expert_axis = expert_axis or current_context().axis(ParallelMode.EXPERT)
+        self.stats_axis = stats_axis or token_axis()
+        self.aux_loss_scale = 1.0
+        self._sequence_ranks = _sequence_ranks()
+        self.router = TopKRouter(hidden, experts, top_k, score, renormalize,
+                                 bias_balancing=bias_update_rate > 0, weight_init=weight_init)
+        self.experts = GroupedExperts(hidden, ffn_hidden, experts, self.expert_axis, weight_init)
+        self.shared_expert = (SharedExperts(hidden, shared_experts * (shared_ffn_hidden or
+                                                                      ffn_hidden), weight_init)
+                              if shared_experts else None)
+        self.shared_expert_gate = (SharedGate(hidden, weight_init)
+                                   if shared_experts and shared_gate else None)
+        self.last_tokens_per_expert = torch.zeros(experts, dtype=torch.int64)
+        self.last_aux_loss = torch.zeros(())
+        self.last_z_loss = torch.zeros(())
+        self._pending_counts: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2:
+            raise ValueError(f'MoE input must be [..., s, h], got shape {tuple(x.shape)}')
+        tokens = x.reshape(-1, x.shape[-1])
+        route = self.router(tokens)
+        counts = self._count(route.experts)
+        weights = self._attach_losses(route, counts) if self.training else route.weights
+        keep = None
+        if self.capacity_factor is not None:
+            cap = capacity(self.capacity_factor, x.shape[-2], self.top_k, self.num_experts)
+            keep = capacity_keep(route.experts, self.num_experts, x.shape[-2], cap)
+        slots = sort_slots(route.experts, self.num_experts, keep)
+        exchange = ExpertExchange(slots.counts, self.expert_axis)
+        rows = exchange.dispatch(tokens[slots.token])
+        rows = exchange.combine(self.experts(rows, exchange.local_counts))
+        out = combine(rows, slots, weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(tokens)
+            if self.shared_expert_gate is not None:
+                shared = self.shared_expert_gate(tokens).to(shared.dtype) * shared
+            out = out + shared
+        return out.view(x.shape[:-1] + out.shape[-1:])
+
+    def _count(self, experts: torch.Tensor) -> torch.Tensor:
+        """Routed slots per expert: summed over ``stats_axis`` in training, local in eval;
+        accumulated for :meth:`update_balance_bias` in training with grad."""
+        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+        if self.training:
+            counts = C.all_reduce(counts, self.stats_axis)
+            if self.router.balance is not None and torch.is_grad_enabled():
+                pending = self._pending_counts
+                self._pending_counts = counts.clone() if pending is None else pending + counts
+        self.last_tokens_per_expert = counts.detach()
+        return counts
+
+    def _attach_losses(self, route, counts) -> torch.Tensor:
+        """The routing weights, carrying the aux and z losses' gradient (``losses.py``)."""
+        total = None
+        if self.aux_loss_coef:
+            aux = self.aux_loss_coef * load_balancing_loss(route.probs, counts, self.top_k)
+            self.last_aux_loss, total = aux.detach(), aux
+        if self.z_loss_coef:
+            z = self.z_loss_coef * z_loss(route.logits)
+            self.last_z_loss = z.detach()
+            total = z if total is None else total + z
+        if total is None:
+            return route.weights
+        return attach_loss(route.weights, total, self._loss_grad_scale)
+
+    def _loss_grad_scale(self) -> float:
+        """The gradient given to the auxiliary losses (``losses.py``): ``aux_loss_scale``
+        over the sequence ranks (whose gradients the sync adds)."""
+        return self.aux_loss_scale / self._sequence_ranks
+
+    # ------------------------------------------------------------------ balancing
+    @torch.no_grad()
+    def update_balance_bias(self):
+        """DeepSeek-V3 balancing step: ``bias += rate * sign(mean(c) - c)`` with ``c`` the
+        global routed counts of the training forwards since the last call (every replica
+        the same). Call once per optimizer step (e.g. after ``engine.step()``); a no-op
+        without ``bias_update_rate`` or without forwards since the last call."""
+        if self.router.balance is None or self._pending_counts is None:
+            return
+        self.router.balance.update(self._pending_counts, self.bias_update_rate)
+        self._pending_counts = None
+
+    def extra_repr(self) -> str:
+        return (f'experts={self.num_experts}, top_k={self.top_k}, '
+                f'score={self.router.score!r}, E={self.expert_axis.size}, '
+                f'capacity_factor={self.capacity_factor}')
+
+
+def moe_layers(model: nn.Module):
+    """The :class:`MoE` layers of ``model``."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def update_balance_biases(model: nn.Module):
+    """:meth:`MoE.update_balance_bias` on every MoE layer of ``model``."""
+    for layer in moe_layers(model):
+        layer.update_balance_bias()
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float):
+    """``aux_loss_scale`` of every MoE layer of ``model`` (``losses.py``: the AMP loss scale
+    over the number of accumulated micro-batches)."""
+    for layer in moe_layers(model):
+        layer.aux_loss_scale = float(scale)
