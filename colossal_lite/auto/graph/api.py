@@ -13,6 +13,7 @@ import re
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,7 +25,7 @@ from .cost import GraphCost
 from .execute import CollectiveCounter, GraphRunner, distribute_parameters
 from .lower import LoweredStep, has_random_ops
 from .plan import Plan, names
-from .solver import InfeasibleBudget, solve
+from .solver import InfeasibleBudget, Solution, solve
 from .space import Space
 from .strategies import placement_from_name
 from .trace import Captured, capture
@@ -92,12 +93,8 @@ def search(space: Space, cluster: ClusterProfile, memory_gb: Optional[float], le
     cost = GraphCost(space, cluster, all_to_all=device != 'cpu')
     budget = None if memory_gb is None else memory_gb * 2 ** 30
     problem = cost.problem(budget, repeated_groups(space))
-    try:
-        solution = solve(problem, level=level, time_limit=time_limit)
-    except InfeasibleBudget as exc:
-        raise NoPlanFits(
-            f'no plan fits memory_gb={memory_gb} per rank on mesh {mesh}: the smallest '
-            f'predicted peak is {exc.smallest / 2 ** 30:.6f} GiB') from exc
+    solution, peak = _solve_within(cost, problem, budget, level, time_limit,
+                                   f'memory_gb={memory_gb} per rank on mesh {mesh}')
     if not math.isfinite(solution.objective):
         raise RuntimeError(f'the {level} solver returned a plan that asks for a Partial no '
                            f'producer gives (objective {solution.objective}); try the other level')
@@ -105,11 +102,77 @@ def search(space: Space, cluster: ClusterProfile, memory_gb: Optional[float], le
     compute = sum(float(cost._node_cost(i)[c]) for i, c in enumerate(choice))
     plan = plan_from_choice(space, choice, mesh, level, time.perf_counter() - start, {
         'step_s': solution.objective, 'compute_s': compute,
-        'comm_s': solution.objective - compute, 'memory_bytes': solution.memory,
+        'comm_s': solution.objective - compute, 'memory_bytes': peak['peak'],
+        'memory_phase': peak['phase'], 'memory_linear_bytes': solution.memory,
         'comm_bytes': cost.comm_bytes(choice)})
     for name, moves in cost.moves(choice, list(mesh)).items():
         plan.nodes[name]['moves'] = moves
     return plan
+
+
+RESOLVES = 5     # solves per search: the linear budget moves by the peak's miss each time
+
+
+def _solve_within(cost: GraphCost, problem, budget: Optional[float], level: str,
+                  time_limit: float, what: str):
+    """(solution, its peak). The solver budgets the linear part of the memory
+    (``GraphCost.memory``); the solution's peak (``GraphCost.peak_memory``) is the prediction
+    and must fit ``budget``. A pass moves the linear budget by the peak's miss: while the
+    peak is over, the next linear budget is the solution's linear memory less the excess (and
+    1% of the budget), never below the least linear memory (halfway there instead); while it
+    fits with room to spare and the linear budget bound the solution, its linear memory plus
+    the room; at most ``RESOLVES`` solves. When the first pass (inputs saved unmoved shared
+    with their producer) finds nothing that fits, a second one budgets the conservative sum
+    (every saved input counted, as if moved). The fastest fitting solution wins; with none,
+    each node's least-memory strategy is taken if it is a plan and its peak fits, else
+    :class:`NoPlanFits` names the smallest peak seen."""
+    if budget is None:
+        solution = solve(problem, level=level, time_limit=time_limit)
+        return solution, cost.peak_memory(solution.choice)
+    tol = 1e-9 * max(1.0, budget)
+    smallest = math.inf
+    for shared in (True, False):
+        if not shared:
+            problem.memory = [cost.memory(i, shared=False) for i in range(len(problem.memory))]
+        problem.budget = budget
+        least = _least_memory_choice(problem)
+        floor = problem.memory_of(least)          # no linear budget below this has a solution
+        best = None
+        for _ in range(RESOLVES):
+            try:
+                solution = solve(problem, level=level, time_limit=time_limit)
+            except InfeasibleBudget:
+                break
+            peak = cost.peak_memory(solution.choice)
+            smallest = min(smallest, peak['peak'])
+            if peak['peak'] <= budget + tol and math.isfinite(solution.objective):
+                if best is None or solution.objective < best[0].objective:
+                    best = (solution, peak)
+                bound = solution.memory >= problem.budget * (1 - 1e-3)
+                if not bound or peak['peak'] >= 0.99 * budget:
+                    break
+                problem.budget = solution.memory + budget - peak['peak']
+            else:
+                lower = solution.memory - (peak['peak'] - budget) - 0.01 * budget
+                problem.budget = lower if lower >= floor else (floor + solution.memory) / 2
+        if best is not None:
+            return best
+    peak = cost.peak_memory(least)
+    objective = problem.objective(least)
+    if peak['peak'] <= budget + tol and math.isfinite(objective):
+        return Solution(least, objective, floor, level, 0.0), peak
+    raise NoPlanFits(f'no plan fits {what}: the smallest predicted peak is '
+                     f'{min(smallest, peak["peak"]) / 2 ** 30:.6f} GiB')
+
+
+def _least_memory_choice(problem) -> List[int]:
+    """Each node's least-memory strategy (a group's least summed memory)."""
+    choice = [int(np.argmin(m)) for m in problem.memory]
+    for members in problem.groups:
+        k = int(np.argmin(sum(problem.memory[i] for i in members)))
+        for i in members:
+            choice[i] = k
+    return choice
 
 
 def plan_from_choice(space: Space, choice: Sequence[int], mesh: Dict[str, int], level: str,

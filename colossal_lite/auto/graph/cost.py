@@ -28,10 +28,16 @@ on that axis (else ``R``); it is redistributed to the producer's placements with
 read as ``R``. Parameters are priced the same way (their ``P`` gradient is all-reduced: data
 parallelism's gradient sum).
 
-**Memory** per rank: a parameter ``(1 + 1 + states) * bytes / ways`` (weight, gradient and
-``states`` optimizer buffers: 2 for Adam); a buffer, constant or input ``bytes / ways``; an
-op's output ``bytes / ways`` (kept for backward; views cost nothing). The sum bounds the
-activation liveness peak at the end of the forward from above.
+**Memory** per rank (``liveness.py``): a plan's prediction is the step's peak
+(:meth:`GraphCost.peak_memory`), ``held + max(s P + J, (s + 2) P, (s + 1) P + 3 p)`` -- the
+local parameters, buffers and inputs, the ``s`` optimizer states of the ``P`` parameter bytes,
+and the largest of the joint program's liveness peak ``J`` (what autograd saves, at the
+placements the ops read it, moved copies included, then the backward's gradients), the
+lowered backward's two gradient copies, and the optimizer step's temporaries. The solver
+budgets a per-node part of it (:meth:`GraphCost.memory`: a parameter ``s bytes / ways``, plus
+its weight unless an op saves it; an op, what it saves at its own placements);
+``api.search`` checks the solution's peak and re-solves with the linear budget moved by the
+peak's miss.
 """
 from __future__ import annotations
 
@@ -48,6 +54,8 @@ from .solver import Edge, Problem
 from .space import Space
 from .plan import names
 from .strategies import VIEW_OPS
+from .local_rules import inner_collectives
+from .liveness import Liveness
 
 aten = torch.ops.aten
 INF = math.inf     # an impossible redistribution (to Partial): a forbidden pair
@@ -103,14 +111,6 @@ def _ways(placements, mesh_shape) -> int:
     return ways
 
 
-def _shard_ways(placements, mesh_shape) -> int:
-    ways = 1
-    for p, k in zip(placements, mesh_shape):
-        if isinstance(p, (Shard, _StridedShard)):
-            ways *= k
-    return ways
-
-
 class GraphCost:
     """See the module doc. ``states``: optimizer buffers per parameter element;
     ``all_to_all=False`` prices a Shard -> Shard move as DTensor runs it on CPU process
@@ -126,6 +126,7 @@ class GraphCost:
         self.strides = [int(math.prod(self.mesh_shape[i + 1:])) for i in range(len(self.mesh_shape))]
         self._steps: Dict[tuple, tuple] = {}
         self._names: Dict[int, List[tuple]] = {}
+        self._liveness: Optional[Liveness] = None
         self.overhead = float(cluster.compute.get('kernel_overhead_s', 0.0)) \
             if isinstance(cluster.compute, dict) else 0.0
 
@@ -207,27 +208,33 @@ class GraphCost:
         if d.node.target in ALIASES:
             return np.zeros(len(d.strategies))
         costs = []
-        for st in d.strategies:
+        for st, code in zip(d.strategies, self._codes(i)):
             out = st.outputs[0] if st.outputs and st.outputs[0] is not None else ()
             ways = _ways(out, self.mesh_shape) if out else 1
-            costs.append(3.0 * f / (self.cluster.flops * ways) + 3.0 * self.overhead)
+            costs.append(3.0 * f / (self.cluster.flops * ways) + 3.0 * self.overhead
+                         + self.seconds(self._inner(d.node, code[0])))
         return np.asarray(costs)
 
-    def memory(self, i: int) -> np.ndarray:
-        d = self.space.decisions[i]
-        if d.kind == 'op' and d.node.target in ALIASES:
-            return np.zeros(len(d.strategies))
-        metas = [m for m in [self.space.output_meta(i, j) for j in range(8)] if m is not None] \
-            if d.kind == 'op' else [d.node.meta['val']]
-        factor = (2 + self.states) if d.kind == 'param' else 1
-        mem = []
-        for st in d.strategies:
-            total = 0.0
-            for j, m in enumerate(metas):
-                p = st.outputs[j] if j < len(st.outputs) and st.outputs[j] is not None else ()
-                total += _nbytes(m) / _shard_ways(p, self.mesh_shape)
-            mem.append(factor * total)
-        return np.asarray(mem)
+    def _inner(self, node: torch.fx.Node, inputs) -> list:
+        """Collectives an op issues inside itself (the class-split log_softmax)."""
+        return inner_collectives(node, inputs, self.mesh_shape)
+
+    @property
+    def liveness(self) -> Liveness:
+        if self._liveness is None:
+            self._liveness = Liveness(self.space, self.states, self.all_to_all)
+        return self._liveness
+
+    def memory(self, i: int, shared: bool = True) -> np.ndarray:
+        """The solver's per-node memory of decision i, per strategy (module doc;
+        ``shared=False``: the conservative sum, ``Liveness.node_memory``)."""
+        return np.asarray(self.liveness.node_memory(i, [c[:2] for c in self._codes(i)],
+                                                    shared))
+
+    def peak_memory(self, choice: Sequence[int]) -> dict:
+        """The step's peak per rank of a choice (module doc) and its parts: ``peak``,
+        ``held``, ``params``, ``joint``, ``forward_end``, ``phase``."""
+        return self.liveness.peak([self._codes(i)[c][:2] for i, c in enumerate(choice)])
 
     def _needs_grad(self, producer: int, meta: torch.Tensor) -> bool:
         return meta.is_floating_point() and \
@@ -300,6 +307,10 @@ class GraphCost:
         for _, _, fwd, bwd in self.chosen_edges(choice):
             for op, _, b in fwd + bwd:
                 out[op] = out.get(op, 0) + b
+        for i, d in enumerate(self.space.decisions):
+            if d.kind == 'op':
+                for op, _, b in self._inner(d.node, self._codes(i)[choice[i]][0]):
+                    out[op] = out.get(op, 0) + b
         loss = self.space.loss[0]
         for op, _, b in self._loss_steps(self._codes(loss)[choice[loss]]) or []:
             out[op] = out.get(op, 0) + b

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...communication import profile as comm_profile
 from ...config.modes import ParallelMode
+from .local_rules import run_local
 from .space import NO_OPS
 from .strategies import Strategy
 from .trace import Captured
@@ -188,10 +189,14 @@ class GraphRunner(torch.fx.Interpreter):
         if node.target in _VIEWS:
             return self._local_view(node, args[0], strategy)
         split = node.meta.get('fused_split')
+        out = None
         if split is not None and strategy.local:    # a strided fused output into its pieces
             dim, pieces = split
             out = torch.split(args[0], args[0].shape[dim] // pieces, dim=dim)
-        else:
+        elif strategy.local and strategy.inputs and strategy.inputs[0] is not None:
+            out = run_local(node, args, self.mesh, strategy.inputs[0],
+                                        strategy.outputs[0] or ())
+        if out is None:
             out = node.target(*args, **kwargs)
         out = self._place_outputs(node, out, strategy)
         return out

@@ -14,8 +14,10 @@ entry point DTensor itself uses, so it follows torch's rules as they change.
 
 Our own rules (``OWN_RULES``) cover what DTensor lacks on CPU: scaled dot-product attention
 (batch or head split; kv heads must divide too), factory ops (replicated, computed locally),
-and the head-aligned strided splits of fused projections (``fused.py``: ``_StridedShard``,
-named ``S<dim>:<pieces>``, offered only along the marked chains); graph asserts are no decision at all
+the head-aligned strided splits of fused projections (``fused.py``: ``_StridedShard``,
+named ``S<dim>:<pieces>``, offered only along the marked chains), the class-split
+log_softmax / gather / embedding of an LM's loss and embedding and the row-parallel addmm
+with a bias (``local_rules.py``); graph asserts are no decision at all
 (``space.NO_OPS``). An op with no rule at all keeps only the all-Replicate strategy;
 it is listed by name (``Strategies.unruled``) in a warning and in ``Plan.explain()``.
 """
@@ -34,6 +36,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .fused import MATMULS, TRANSPOSES, VIEWS as FUSED_VIEWS, transposed_dim
+from .local_rules import local_rules
 
 aten = torch.ops.aten
 
@@ -241,6 +244,8 @@ def strided_rules(node: torch.fx.Node, k: int) -> List[Strategy]:
 
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
             aten.expand.default, aten.squeeze.dims, aten.unsqueeze.default}
+# DTensor's convolution handler rejects a dim sharded on two mesh axes ("hybrid sharding")
+NOT_NESTED = VIEW_OPS | {aten.convolution.default}
 
 OWN_RULES = {
     aten.scaled_dot_product_attention.default: _sdpa_rules,
@@ -279,7 +284,9 @@ def axis_strategies(node: torch.fx.Node, k: int) -> Tuple[List[Strategy], bool]:
 
 def _axis_strategies(node: torch.fx.Node, k: int) -> Tuple[List[Strategy], bool]:
     rules, ruled = _plain_axis_strategies(node, k)
-    return rules + strided_rules(node, k), ruled
+    local = [Strategy(ins, outs, local=True)
+             for ins, outs in local_rules(node, k, tensor_args(node))]
+    return rules + strided_rules(node, k) + local, ruled
 
 
 def _plain_axis_strategies(node: torch.fx.Node, k: int) -> Tuple[List[Strategy], bool]:
@@ -322,7 +329,7 @@ def node_strategies(node: torch.fx.Node, mesh_shape: Sequence[int]) -> Tuple[Lis
         return per_axis[0], ruled
     metas = [s.meta['val'] if s is not None else None for s in tensor_args(node)]
     outs = outputs_of(node)
-    nested_ok = node.target not in VIEW_OPS
+    nested_ok = node.target not in NOT_NESTED
     kept = [st for st in combine(per_axis)
             if all(fits(m, p, mesh_shape, nested_ok) for m, p in zip(metas, st.inputs))
             and all(fits(m, p, mesh_shape, nested_ok) for m, p in zip(outs, st.outputs))]
