@@ -144,7 +144,9 @@ def train_command(args, entrypoint=None) -> int:
     mesh = (auto.mesh_text() if auto is not None and auto.mesh is not None else
             f'dict(data={layout.data}, tensor={layout.tensor}) (the launched axes)')
     where = (f'auto plan ({auto.level}) on mesh {mesh}' if auto is not None else
-             f'layout data={layout.data} pipeline={layout.pipeline} tensor={layout.tensor} '
+             f'layout data={layout.data}'
+             + (f' expert={layout.expert}' if getattr(layout, 'expert', 1) > 1 else '')
+             + f' pipeline={layout.pipeline} tensor={layout.tensor} '
              f'({layout.mode or "none"})')
     print(f'colossal-lite: {spec.kind} on {on}, {where}', flush=True)
     if nodes.nnodes > 1:

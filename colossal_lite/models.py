@@ -181,7 +181,9 @@ class ModelEntry:
     (None: the planner cannot describe it) and ``traits``; ``hf`` its Hugging Face
     conversion (None: none); ``profile``: the model ``auto.profile`` times (a causal token
     model taking ``vocab_size``, ``max_positions``, ``hidden``, ``heads``, ``layers`` and
-    ``dropout``; one entry at most)."""
+    ``dropout``; one entry at most). ``check(options, layout)``: further checks of the
+    options against the layout (``layout.expert``, ...) raising a ConfigError that names the
+    key, run by ``colossal-lite train`` before any worker starts (None: none)."""
 
     name: str
     builder: Callable[..., Any]
@@ -195,6 +197,7 @@ class ModelEntry:
     traits: ModelTraits = ModelTraits()
     hf: Optional[HFAdapter] = None
     profile: bool = False
+    check: Optional[Callable[[Mapping[str, Any], Any], None]] = None
 
     def __post_init__(self):
         if self.shape is not None and self.shape.layers != self.layers:
@@ -242,11 +245,12 @@ def register_model(name: str, builder: Callable[..., Any], presets: Optional[Map
                    rules: Optional[Callable] = None, layers: Optional[str] = 'layers',
                    label: str = '', replace: bool = False, *,
                    shape: Optional[PlannerShape] = None, traits: Optional[ModelTraits] = None,
-                   hf: Optional[HFAdapter] = None, profile: bool = False) -> ModelEntry:
+                   hf: Optional[HFAdapter] = None, profile: bool = False,
+                   check: Optional[Callable] = None) -> ModelEntry:
     """Make ``model=dict(type=name, ...)`` build ``builder(**options)``; see :class:`ModelEntry`.
     Registering a taken name with another builder needs ``replace=True``."""
     entry = ModelEntry(name, builder, dict(presets or {}), loss, data, rules, layers, label,
-                       shape, traits or ModelTraits(), hf, profile)
+                       shape, traits or ModelTraits(), hf, profile, check)
     old = _REGISTRY.get(name)
     if old is not None and old.builder is not builder and not replace:
         raise ValueError(f"model name '{name}' is already registered to {old.builder!r}; "

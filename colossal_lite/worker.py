@@ -62,7 +62,9 @@ class _LossHistory(H.BaseHook):
     def after_train_iter(self, trainer, output, label, loss):
         self.losses.append(trainer.metrics['loss'])
         self.records.append(dict(step=trainer.cur_step, loss=trainer.metrics['loss'],
-                                 lr=trainer.metrics.get('lr')))
+                                 lr=trainer.metrics.get('lr'),
+                                 **{k: trainer.metrics[k] for k in H.MOE_METRICS
+                                    if k in trainer.metrics}))
 
     def after_test(self, trainer):
         self.records.append(dict(step=trainer.cur_step, **H.test_metrics(trainer.metrics)))
@@ -93,6 +95,11 @@ def _report(trainer, spec, history: _LossHistory, elapsed: float):
     _print0('peak memory per rank (MiB): ' + ', '.join(f'rank {r}: {p:.0f}' for r, p in enumerate(peaks)))
     _print0('bytes communicated per ParallelMode (all ranks): ' +
             (', '.join(f'{k}: {v / 2**20:.2f} MiB' for k, v in sorted(comm.items())) or 'none'))
+    if 'expert_tokens_max' in m:
+        _print0(f"tokens per expert (last step, all MoE layers): min={m['expert_tokens_min']:.0f} "
+                f"mean={m['expert_tokens_mean']:.1f} max={m['expert_tokens_max']:.0f} "
+                f"(worst layer max/mean {m['expert_tokens_max_over_mean']:.2f}); "
+                f"aux loss={m['moe_aux_loss']:.4g}")
     evals = [f'{k}={m[k]:.4f}' for k in ('test_loss', 'test_accuracy') if k in m]
     if evals:
         _print0('evaluation: ' + ' '.join(evals))
@@ -138,6 +145,7 @@ def train(settings: Settings, spec=None, resume: Optional[str] = None,
     hooks = [H.LossHook(), history,
              H.ThroughputHook(warmup=2, tokens=text, replicas=1 if auto is not None else None),
              H.LRSchedulerHook(scheduler), bar,
+             H.MoEStatsHook(),   # MoE models: tokens per expert, aux loss (else nothing)
              H.LogMetricByStepHook(spec.train.log_every, printer=bar.printer)]
     if not text:
         hooks += [H.AccuracyHook(), H.LogMetricByEpochHook(printer=bar.printer)]

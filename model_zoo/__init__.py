@@ -12,7 +12,7 @@ import colossal_lite.nn as col_nn
 
 from .bert import BERT, BERT_PRESETS, BertPretrainingLoss
 from .gpt import GPT, GPT_PRESETS, GPTLMLoss
-from .llama import LLAMA_PRESETS, Llama
+from .llama import LLAMA_PRESETS, Llama, check_moe
 from .vit import VIT_PRESETS, ViT
 
 __all__ = ['BERT', 'BERT_PRESETS', 'BertPretrainingLoss', 'GPT', 'GPT_PRESETS', 'GPTLMLoss',
@@ -40,6 +40,11 @@ def _llama_rules(o):
         SizeRule('model.intermediate', o.get('intermediate') or 256 * -(-(8 * o['hidden'] // 3)
                                                                        // 256),
                  'hidden', what='SwiGLU width')]
+
+
+def _llama_check(o, layout):
+    """``model.moe`` against ``parallel.expert`` (top_k, experts, capacity_factor)."""
+    check_moe(o.get('moe'), o.get('layers'), getattr(layout, 'expert', 1))
 
 
 def _vit_rules(o):
@@ -73,4 +78,4 @@ register_model('llama', Llama, LLAMA_PRESETS, loss=GPTLMLoss, data='shakespeare'
                                   qkv_bias='qkv_bias'),
                traits=ModelTraits(causal=True, causal_mask=True, gated_mlp=True, rms_norm=True,
                                   linear_bias=False, rotary=True),
-               hf=HFAdapter(Llama.from_hf, Llama.save_hf))
+               hf=HFAdapter(Llama.from_hf, Llama.save_hf), check=_llama_check)

@@ -178,11 +178,14 @@ def stage_blocks(model, hidden: int, heads: int, mlp_ratio: int, dropout: float,
                                    checkpoint=i in model.checkpointed, **layer_options))
 
 
-def preset_config(presets: dict, name: str, overrides: dict, family: str) -> dict:
+def preset_config(presets: dict, name: str, overrides: dict, family: str,
+                  extra: tuple = ()) -> dict:
+    """The preset's options updated by ``overrides``: a preset's own keys, ``checkpoint`` and
+    the ``extra`` options the presets leave at their default (e.g. Llama's ``moe``)."""
     if name not in presets:
         raise ValueError(f"unknown {family} preset '{name}'; presets: {sorted(presets)}")
     cfg = dict(presets[name])
-    unknown = set(overrides) - set(cfg) - {'checkpoint'}
+    unknown = set(overrides) - set(cfg) - {'checkpoint'} - set(extra)
     if unknown:
         raise ValueError(f'unknown {family} options {sorted(unknown)}; options: {sorted(cfg)}')
     cfg.update(overrides)

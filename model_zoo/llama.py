@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import colossal_lite.nn as col_nn
+from colossal_lite.config import ConfigError
+from colossal_lite.context import ParallelMode, current_context
 from colossal_lite.nn.rotary import (apply_rotary, check_rope_scaling, rope_frequencies,
                                      rotary_tables)
 from colossal_lite.pipeline.stages import parameter_weights
@@ -93,19 +95,80 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+MOE_LAYER_KEYS = ('score', 'renormalize', 'capacity_factor', 'aux_loss_coef', 'z_loss_coef',
+                  'bias_update_rate', 'shared_experts', 'shared_ffn_hidden', 'shared_gate')
+MOE_KEYS = ('experts', 'top_k', 'ffn_hidden', 'first_dense') + MOE_LAYER_KEYS
+
+
+def check_moe(moe, layers: int = None, expert_ranks: int = 1) -> dict:
+    """``moe`` (None, or a dict of :data:`MOE_KEYS`) checked -> the normalized dict (None when
+    no MoE): ``experts`` >= 1, ``1 <= top_k <= experts``, ``experts`` divisible by
+    ``expert_ranks`` (``parallel.expert``), ``capacity_factor`` None or > 0, ``first_dense``
+    in ``[0, layers]``. Each failure a ConfigError (a ValueError) naming ``model.moe.<key>``;
+    no communication (the same check runs in ``colossal-lite train`` before any worker)."""
+    if moe is None:
+        return None
+    if not isinstance(moe, dict):
+        raise ConfigError(f"'model.moe' must be a dict (experts=..., top_k=..., ...), "
+                          f"got {moe!r}")
+    unknown = sorted(set(moe) - set(MOE_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown 'model.moe' keys {unknown}; keys: {list(MOE_KEYS)}")
+    for key in ('experts', 'top_k'):
+        if key not in moe:
+            raise ConfigError(f"'model.moe.{key}' is required (moe=dict(experts=X, top_k=k))")
+        value = moe[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"'model.moe.{key}' must be a positive integer, got {value!r}")
+    experts, top_k = moe['experts'], moe['top_k']
+    if top_k > experts:
+        raise ConfigError(f"'model.moe.top_k' = {top_k} exceeds 'model.moe.experts' = "
+                          f"{experts}: each token picks top_k distinct experts")
+    if experts % expert_ranks:
+        raise ConfigError(f"'model.moe.experts' = {experts} must be divisible by "
+                          f"'parallel.expert' = {expert_ranks} (each expert rank holds "
+                          f"experts / parallel.expert of every MoE layer)")
+    cf = moe.get('capacity_factor')
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
+                           or not cf > 0):
+        raise ConfigError(f"'model.moe.capacity_factor' must be None (dropless) or a number "
+                          f"> 0, got {cf!r}")
+    first_dense = moe.get('first_dense', 0)
+    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0 \
+            or (layers is not None and first_dense > layers):
+        raise ConfigError(f"'model.moe.first_dense' must be an integer in [0, layers = "
+                          f"{layers}], got {first_dense!r}")
+    return dict(moe, first_dense=first_dense)
+
+
+def moe_block_params(hidden: int, intermediate: int, moe: dict) -> int:
+    """The MoE MLP's parameters in one block (router, experts, shared experts and gate)."""
+    ffn = moe.get('ffn_hidden') or intermediate
+    shared = moe.get('shared_experts', 0) * (moe.get('shared_ffn_hidden') or ffn)
+    return (moe['experts'] * (hidden + 3 * hidden * ffn) + 3 * hidden * shared
+            + hidden * bool(shared and moe.get('shared_gate')))
+
+
 class LlamaBlock(nn.Module):
     """``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``; ``checkpoint=True``
-    recomputes the block in backward."""
+    recomputes the block in backward. ``moe`` (checked by :func:`check_moe`): the MLP is a
+    ``col_nn.MoE`` of ``moe['experts']`` SwiGLU experts of width ``moe['ffn_hidden']``
+    (default ``intermediate``)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                  eps: float, qkv_bias: bool, dropout: float, init_std: float,
-                 checkpoint: bool = False):
+                 checkpoint: bool = False, moe: dict = None):
         super().__init__()
         self.checkpoint = checkpoint
         self.attn_norm = col_nn.RMSNorm(hidden, eps=eps)
         self.attn = LlamaAttention(hidden, heads, kv_heads, head_dim, qkv_bias, dropout, init_std)
         self.mlp_norm = col_nn.RMSNorm(hidden, eps=eps)
-        self.mlp = SwiGLU(hidden, intermediate, init_std)
+        if moe is None:
+            self.mlp = SwiGLU(hidden, intermediate, init_std)
+        else:
+            self.mlp = col_nn.MoE(hidden, moe.get('ffn_hidden') or intermediate, moe['experts'],
+                                  moe['top_k'], weight_init=normal_init(init_std),
+                                  **{k: moe[k] for k in MOE_LAYER_KEYS if k in moe})
         self.drop1 = col_nn.Dropout(dropout)
         self.drop2 = col_nn.Dropout(dropout)
 
@@ -136,6 +199,14 @@ class Llama(CachedDecoding, HFConvertible, StagedTransformer):
     Llama); ``rope_scaling``: Llama-3's (``nn.rotary``); ``qkv_bias``: Qwen2's q/k/v biases;
     ``tie_embeddings``: the LM head reads the embedding's weight.
 
+    ``moe=dict(experts=X, top_k=k, ...)``: every block's MLP is a ``col_nn.MoE`` (Mixtral,
+    Qwen2-MoE; docs/moe.md "The model"): ``ffn_hidden`` the experts' width (default
+    ``intermediate``), ``first_dense=n`` keeps the first n blocks' dense SwiGLU (DeepSeek),
+    the other keys are :class:`~colossal_lite.nn.MoE`'s (``score``, ``renormalize``,
+    ``capacity_factor``, ``aux_loss_coef``, ``z_loss_coef``, ``bias_update_rate``,
+    ``shared_experts``, ``shared_ffn_hidden``, ``shared_gate``); experts split over
+    ``parallel.expert`` ranks. Checked by :func:`check_moe` before any collective.
+
     Under pipeline parallelism a rank builds only its stages: ``embed`` on stage 0,
     ``norm``/``lm_head`` on the last (which also holds ``embed`` when tied); every stage
     makes the rotary tables from the inputs' positions."""
@@ -144,9 +215,11 @@ class Llama(CachedDecoding, HFConvertible, StagedTransformer):
                  kv_heads: Optional[int] = None, intermediate: Optional[int] = None,
                  max_positions: int = 2048, rope_theta: float = 10000.0, rope_scaling=None,
                  eps: float = 1e-5, qkv_bias: bool = False, tie_embeddings: bool = False,
-                 init_std: float = 0.02, dropout: float = 0.0, checkpoint=False):
+                 init_std: float = 0.02, dropout: float = 0.0, checkpoint=False, moe=None):
         super().__init__()
         self.arch_args = constructor_args(locals())  # for save_hf
+        moe = check_moe(moe, layers, current_context().axis(ParallelMode.EXPERT).size)
+        self.moe = moe
         kv_heads = heads if kv_heads is None else kv_heads
         if intermediate is None:
             intermediate = 256 * -(-(8 * hidden // 3) // 256)
@@ -160,9 +233,13 @@ class Llama(CachedDecoding, HFConvertible, StagedTransformer):
         with init_by_name(self):  # each weight a function of (seed, its name)
             self.checkpointed = checkpointed_blocks(checkpoint, layers)
             embed_params = vocab_size * hidden
+            block_params = llama_block_params(hidden, heads, kv_heads, head_dim, intermediate,
+                                              qkv_bias)
+            if moe is not None:  # every block weighted as an MoE block
+                block_params += moe_block_params(hidden, intermediate, moe) - 3 * hidden * \
+                    intermediate
             self.plan_stages(layers, parameter_weights(
-                embed_params, llama_block_params(hidden, heads, kv_heads, head_dim, intermediate,
-                                                 qkv_bias),
+                embed_params, block_params,
                 hidden + embed_params), options=self.arch_args)  # tied: the last stage's copy
             if self.holds_first or (self.holds_last and tie_embeddings):
                 self.embed = col_nn.VocabParallelEmbedding(vocab_size, hidden,
@@ -171,7 +248,8 @@ class Llama(CachedDecoding, HFConvertible, StagedTransformer):
                 self.drop = col_nn.Dropout(dropout)
             self.blocks = self.build_blocks(lambda i: LlamaBlock(
                 hidden, heads, kv_heads, head_dim, intermediate, eps, qkv_bias, dropout,
-                init_std, checkpoint=i in self.checkpointed))
+                init_std, checkpoint=i in self.checkpointed,
+                moe=moe if moe is not None and i >= moe['first_dense'] else None))
             if self.holds_last:
                 self.norm = col_nn.RMSNorm(hidden, eps=eps)
                 self.lm_head = col_nn.VocabParallelClassifier(
@@ -186,7 +264,7 @@ class Llama(CachedDecoding, HFConvertible, StagedTransformer):
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> 'Llama':
-        return cls(**preset_config(LLAMA_PRESETS, name, overrides, 'Llama'))
+        return cls(**preset_config(LLAMA_PRESETS, name, overrides, 'Llama', extra=('moe',)))
 
     def forward(self, input_ids: torch.Tensor, stage_input: torch.Tensor = None,
                 stage: int = None, kv_cache: KVCache = None, last_only: bool = False,

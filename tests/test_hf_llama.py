@@ -150,14 +150,10 @@ def test_config_fields_ours_cannot_represent_raise_naming_them(tmp_path):
     for source, overrides, message in cases:
         with pytest.raises(ValueError, match=message):
             Llama.from_hf(source, **overrides)
-    small = dict(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                 num_attention_heads=4, num_key_value_heads=2)
-    for hf, message in ((tf.MixtralForCausalLM(tf.MixtralConfig(**small, num_local_experts=2)),
-                         "model_type='mixtral': num_local_experts=2"),
-                        (tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**small, num_experts=2)),
-                         "model_type='qwen2_moe': num_experts=2"),
-                        (tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=4)),
-                         "reads model_type 'llama', 'mistral', 'qwen2'.*'gpt2'")):
+    # Mixtral / Qwen2-MoE are read with moe=dict(...): tests/test_hf_moe.py
+    for hf, message in ((tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=4)),
+                         "reads model_type 'llama', 'mistral', 'qwen2', 'mixtral', "
+                         "'qwen2_moe'.*'gpt2'"),):
         with pytest.raises(ValueError, match=message):
             Llama.from_hf(hf)
     # what has no effect is accepted: a window as long as the positions, Qwen2's unused one

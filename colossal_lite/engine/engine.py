@@ -26,6 +26,14 @@ What a micro-step's backward accumulates into the gradients (S = the AMP loss sc
   ``output_grad`` as given, neither divided by M nor multiplied by S: on a pipeline
   stage the incoming gradient comes from the next stage's backward and already
   carries both (every stage must use the same S). ``step()`` divides by S once.
+
+Mixture of experts (only when the model holds ``colossal_lite.nn.MoE`` layers: nothing
+runs otherwise): before every backward the layers' ``aux_loss_scale`` is set to ``S / M``,
+the factor by which that backward's gradient exceeds the gradient of the plain
+mean-over-tokens loss, so the router's auxiliary losses enter the gradient exactly as
+``mean over micro-batches of (loss + aux + z)`` would (docs/moe.md, "The engine"); after
+an applied optimizer step every layer's balancing bias is updated from the step's
+counts (``MoE.update_balance_bias``); a step skipped for inf/nan drops the counts.
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ import torch
 from ..amp import FullPrecision
 from ..config.checks import positive_int
 from ..config.pipeline import resolve_microbatches
+from ..nn.moe import moe_layers, set_aux_loss_scale
 from .clip import clip_grad_norm
 from .gradient_handler import GradientReducer
 from .schedule import NonPipelineSchedule
@@ -71,6 +80,7 @@ class Engine:
         self.global_step = 0             # cycles completed (updates attempted)
         self.last_grad_norm: Optional[float] = None
         self.overflow = False            # whether the last update was skipped for inf/nan
+        self.moe_layers = moe_layers(model)  # MoE layers: aux-loss scale, balancing bias
 
     # --------------------------------------------------------------- accessors
     @property
@@ -136,6 +146,7 @@ class Engine:
         self._begin_micro_step('backward')
         if self._num_microbatches > 1:
             loss = loss / self._num_microbatches
+        self.scale_auxiliary_losses()
         # a model may ask for a context around its backward (auto/graph counts collectives)
         with getattr(self._model, 'backward_context', contextlib.nullcontext)():
             self.amp.backward(loss)
@@ -156,8 +167,31 @@ class Engine:
         pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads)
                  if g is not None and o.requires_grad]
         self._begin_micro_step('backward_by_grad')
+        self.scale_auxiliary_losses()
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    @property
+    def backward_scale(self) -> float:
+        """``S / M``: the factor a micro-step's backward gradient carries relative to the
+        gradient of the plain (mean over the micro-batch's tokens) loss."""
+        return self.amp.loss_scale / self._num_microbatches
+
+    def scale_auxiliary_losses(self):
+        """Give the MoE layers' auxiliary losses the gradient ``S / M`` (the loss's own
+        factor) in the backward that follows; no-op without MoE layers. The pipeline
+        runtime calls it before a step's backwards."""
+        if self.moe_layers:
+            set_aux_loss_scale(self._model, self.backward_scale)
+
+    def _update_balance(self):
+        """After the cycle: the MoE balancing biases step with the optimizer (or drop the
+        counts of a skipped step)."""
+        for layer in self.moe_layers:
+            if self.overflow:
+                layer.discard_balance_counts()
+            else:
+                layer.update_balance_bias()
 
     def count_schedule_microbatches(self):
         """Record a whole step's M micro-steps run by a schedule that drove backward itself
@@ -186,6 +220,8 @@ class Engine:
                                                      self.clip_grad_norm)
             self.amp.step()
         self.amp.update(self.overflow)
+        if self.moe_layers:
+            self._update_balance()
         self._micro_step = 0
         self.global_step += 1
         return True
@@ -199,6 +235,8 @@ class Engine:
         """Drop a partial cycle (its gradients and micro-step count)."""
         self._micro_step = 0
         self.amp.zero_grad()
+        for layer in self.moe_layers:
+            layer.discard_balance_counts()
 
     def execute_schedule(self, data_iter_or_batch: Any, forward_only: bool = False,
                          return_loss: bool = True, return_output: bool = False,

@@ -34,7 +34,8 @@ def check_layout(spec: JobSpec, layout, pipeline: Optional[PipelineSettings] = N
       ``data.seq_len`` by its ``sequence_split``;
     * ``parallel.expert`` dividing the data size;
     * the model's :class:`~colossal_lite.models.SizeRule` s (heads, hidden, vocabulary,
-      image / patch, tokens) against the family's splits (``config/families.py``);
+      image / patch, tokens) against the family's splits (``config/families.py``), and its
+      entry's ``check(options, layout)`` (Llama: ``model.moe``, ``model_zoo.llama.check_moe``);
     * at least one block per pipeline stage: ``model.<layers>`` >= P * V; an explicit
       ``partition`` sums to ``model.<layers>``;
     * the model built on the meta device for the described layout and pipeline (rank 0 and
@@ -69,6 +70,8 @@ def check_layout(spec: JobSpec, layout, pipeline: Optional[PipelineSettings] = N
         rules.append(SizeRule('data.seq_len', spec.data.seq_len, 'sequence'))
     for rule in rules:
         check_rule(rule, layout, fam)
+    if spec.entry.check is not None:   # e.g. Llama's moe: top_k, experts by parallel.expert
+        spec.entry.check(spec.options, layout)
     layers_key = spec.entry.layers
     if stages > 1 and layers_key in spec.options and spec.options[layers_key] < stages:
         raise ConfigError(f"'model.{layers_key}' = {spec.options[layers_key]} is fewer than the "

@@ -107,6 +107,8 @@ class PipelineSchedule:
                        split=self.settings.schedule == 'zero_bubble', link=self.link)
         if not forward_only and engine.gradient_handler is not None:
             engine.gradient_handler.prepare(sync=False)  # synced in engine.step()
+        if not forward_only:
+            engine.scale_auxiliary_losses()  # MoE aux losses: gradient S / M, as the loss's
         timeline = [] if self.record_timeline else None
         with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
             actions, releases = self.actions(num_microbatches, forward_only)

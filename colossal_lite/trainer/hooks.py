@@ -216,6 +216,63 @@ class ThroughputHook(BaseHook):
         trainer.metrics['step_time_s'] = self._time / measured
 
 
+class MoEStatsHook(BaseHook):
+    """Mixture-of-experts statistics of each step (models with ``colossal_lite.nn.MoE``
+    layers; ``engine.moe_layers`` empty: nothing, no collective):
+
+    * ``expert_tokens_min`` / ``expert_tokens_max``: the fewest / most routed slots (tokens
+      x top-k, before capacity drops, global over the replicas) that any expert of any MoE
+      layer received in the step (all micro-batches);
+    * ``expert_tokens_mean``: slots per expert, the same for every layer (step tokens x k /
+      experts; with layers of different experts or k, the mean of the layers' means);
+    * ``expert_tokens_max_over_mean``: the worst layer's max / mean (1 = balanced);
+    * ``moe_aux_loss`` (and ``moe_z_loss`` with a z loss): the serial model's auxiliary
+      losses summed over the MoE layers, coefficients included, averaged over the step's
+      micro-batches.
+
+    Read from ``MoE.step_tokens_per_expert`` / ``step_aux_loss`` / ``step_z_loss`` (closed by
+    the engine's ``update_balance_bias`` after the step). One all_gather over GLOBAL of 6
+    floats per step: pipeline stages hold different layers, and a layer's loss is the mean
+    of the ``world / pipeline`` ranks holding it."""
+
+    uses_train_output = False
+    priority = METRIC_PRIORITY
+
+    def after_train_iter(self, trainer, output, label, loss):
+        layers = getattr(trainer.engine, 'moe_layers', None)
+        if not layers:
+            return
+        mins, maxs, means, ratios = [], [], [], []
+        aux = z = 0.0
+        for layer in layers:
+            counts = layer.step_tokens_per_expert.double()
+            mean = float(counts.mean())
+            mins.append(float(counts.min()))
+            maxs.append(float(counts.max()))
+            means.append(mean)
+            ratios.append(float(counts.max()) / mean if mean > 0 else 1.0)
+            aux += float(layer.step_aux_loss)
+            z += float(layer.step_z_loss)
+        mine = torch.tensor([[min(mins), max(maxs), sum(means), len(means), aux, z,
+                              max(ratios)]], dtype=torch.float64, device=gpc.device)
+        table = C.all_gather(mine, ParallelMode.GLOBAL).cpu()
+        held = table[table[:, 3] > 0]
+        holders = gpc.get_world_size(ParallelMode.GLOBAL) / gpc.get_world_size(
+            ParallelMode.PIPELINE)
+        trainer.metrics.update(
+            expert_tokens_min=float(held[:, 0].min()),
+            expert_tokens_mean=float(held[:, 2].sum() / held[:, 3].sum()),
+            expert_tokens_max=float(held[:, 1].max()),
+            expert_tokens_max_over_mean=float(held[:, 6].max()),
+            moe_aux_loss=float(held[:, 4].sum() / holders))
+        if any(layer.z_loss_coef for layer in layers):
+            trainer.metrics['moe_z_loss'] = float(held[:, 5].sum() / holders)
+
+
+MOE_METRICS = ('expert_tokens_min', 'expert_tokens_mean', 'expert_tokens_max',
+               'expert_tokens_max_over_mean', 'moe_aux_loss', 'moe_z_loss')
+
+
 def peak_memory_mb() -> float:
     """This process's peak: max allocated CUDA memory on GPU runs, peak RSS on CPU (MiB)."""
     if gpc.device.type == 'cuda':
@@ -355,6 +412,9 @@ class ProgressBarHook(BaseHook):
         rate = trainer.metrics.get('tokens_per_s' if self.unit == 'tokens/s' else 'samples_per_s')
         if rate is not None:
             shown[self.unit] = f'{rate:.0f}'
+        if 'expert_tokens_max' in trainer.metrics:   # MoE: tokens per expert min/mean/max
+            shown['experts'] = '/'.join(f"{trainer.metrics[f'expert_tokens_{k}']:.0f}"
+                                        for k in ('min', 'mean', 'max'))
         self.bar.set_postfix(shown, refresh=False)
         self.bar.update(1)
 

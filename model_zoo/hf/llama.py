@@ -1,6 +1,7 @@
 """Hugging Face Llama, Mistral and Qwen2 <-> model_zoo Llama.
 
-The three HF model types are one architecture with one key layout: pre-norm RMSNorm
+The three HF model types (five with Mixtral and Qwen2-MoE, ``moe_hf.py``) are one
+architecture with one key layout: pre-norm RMSNorm
 blocks, rotary positions (rotate-half), grouped-query attention, a SwiGLU MLP, a final
 RMSNorm and an LM head (tied to the embedding or not). They differ only in which config
 fields exist (:data:`_TYPES`): Qwen2 always has q/k/v biases, Llama's ``attention_bias``
@@ -41,8 +42,8 @@ ValueError naming them: ``hidden_act`` other than silu, ``head_dim`` other than
 ``max_position_embeddings`` (ours never sees a longer span: positions stop there and
 generation slides its window at that length) on some layer (Mistral: every layer; Qwen2:
 the ``layer_types`` 'sliding_attention' ones, i.e. with ``use_sliding_window``).
-Mixture-of-experts types (``mixtral``: ``num_local_experts``; ``qwen2_moe``:
-``num_experts``) are named as not supported.
+Mixture-of-experts types (``mixtral``, ``qwen2_moe``) are read as a Llama with
+``moe=dict(...)``: their MoE MLPs, config fields and what is refused are in ``moe_hf.py``.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ from typing import Optional
 
 from .family import HFFamily, KeyReader, State, linear, read_renamed, register, renames, \
     without_meta
+from .moe_hf import (dense_blocks, experts_to_hf, experts_to_ours, moe_config, moe_kwargs,
+                     moe_model_type, moe_renames, moe_view)
 
 
 @dataclass(frozen=True)
@@ -60,16 +63,20 @@ class _HFType:
     config: str                  # the transformers config class
     qkv_bias: Optional[bool]     # fixed q/k/v bias; None: the config's attention_bias (+ o_proj)
     window: Optional[str]        # None: no sliding window; 'all' layers; 'layer_types' marks them
+    moe: bool = False            # MoE MLPs (Mixtral, Qwen2-MoE: moe_hf.py)
+    qkv_bias_field: str = ''     # the config field holding a q/k/v-only bias (Qwen2-MoE)
 
 
 _TYPES = {
     'llama': _HFType('Llama', 'LlamaConfig', qkv_bias=None, window=None),
     'mistral': _HFType('Mistral', 'MistralConfig', qkv_bias=False, window='all'),
     'qwen2': _HFType('Qwen2', 'Qwen2Config', qkv_bias=True, window='layer_types'),
+    'mixtral': _HFType('Mixtral', 'MixtralConfig', qkv_bias=False, window='all', moe=True),
+    'qwen2_moe': _HFType('Qwen2Moe', 'Qwen2MoeConfig', qkv_bias=None, window='layer_types',
+                         moe=True, qkv_bias_field='qkv_bias'),
 }
 _CLASSES = {**{t.prefix + 'ForCausalLM': 'model.' for t in _TYPES.values()},
             **{t.prefix + 'Model': '' for t in _TYPES.values()}}
-_MOE = {'mixtral': 'num_local_experts', 'qwen2_moe': 'num_experts'}
 _LLAMA3 = (('factor', 'factor'), ('low_freq_factor', 'low_freq_factor'),
            ('high_freq_factor', 'high_freq_factor'),
            ('original_max_positions', 'original_max_position_embeddings'))
@@ -77,22 +84,34 @@ _ARCH = ('hidden', 'layers', 'heads', 'kv_heads', 'intermediate', 'max_positions
          'rope_theta', 'rope_scaling', 'eps', 'qkv_bias', 'tie_embeddings')
 
 
-def _layer(qkv_bias: bool):
-    """(our key, HF key) pairs of one block, relative to ``blocks.{i}.`` / ``layers.{i}.``."""
+def _layer(qkv_bias: bool, moe: Optional[dict] = None):
+    """(our key, HF key) pairs of one block, relative to ``blocks.{i}.`` / ``layers.{i}.``;
+    ``moe``: an MoE block's renamed tensors (the stacked experts: :mod:`.moe_hf`)."""
     out = [('attn_norm.weight', 'input_layernorm.weight'),
            ('mlp_norm.weight', 'post_attention_layernorm.weight')]
     for name in ('q', 'k', 'v'):
         out += linear(f'attn.{name}_proj', f'self_attn.{name}_proj', bias=qkv_bias)
     out += linear('attn.o_proj', 'self_attn.o_proj', bias=False)
+    if moe is not None:
+        return out + moe_renames(moe)
     for name in ('gate', 'up', 'down'):
         out += linear(f'mlp.{name}_proj', f'mlp.{name}_proj', bias=False)
     return out
 
 
-def _pairs(layers: int, qkv_bias: bool):
-    """(our key, HF body key) pairs of everything but the LM head."""
-    return renames([('embed.weight', 'embed_tokens.weight'), ('norm.weight', 'norm.weight')],
-                   layers, _layer(qkv_bias), 'blocks.{i}.', 'layers.{i}.')
+def _pairs(layers: int, qkv_bias: bool, moe: Optional[dict] = None):
+    """(our key, HF body key) pairs of everything but the LM head (and the stacked experts)."""
+    out = renames([('embed.weight', 'embed_tokens.weight'), ('norm.weight', 'norm.weight')],
+                  layers, [], 'blocks.{i}.', 'layers.{i}.')
+    for i in range(layers):
+        block = moe if moe is not None and i >= moe.get('first_dense', 0) else None
+        out += [(f'blocks.{i}.' + a, f'layers.{i}.' + b) for a, b in _layer(qkv_bias, block)]
+    return out
+
+
+def _moe_blocks(layers: int, moe: Optional[dict]):
+    """The indices of the MoE blocks."""
+    return [] if moe is None else list(range(moe.get('first_dense', 0), layers))
 
 
 # ---------------------------------------------------------------- config -> our arguments
@@ -144,6 +163,8 @@ def _check_window(c, hf_type: _HFType):
 
 
 def _qkv_bias(c, hf_type: _HFType) -> bool:
+    if hf_type.qkv_bias_field:
+        return bool(getattr(c, hf_type.qkv_bias_field, False))
     if hf_type.qkv_bias is not None:
         return hf_type.qkv_bias
     if getattr(c, 'attention_bias', False):
@@ -166,7 +187,8 @@ def _kwargs(c, hf_class: str) -> dict:
         _reject('mlp_bias', True, 'the MLP projections have no bias')
     _check_window(c, hf_type)
     theta, scaling = _rope(c)
-    return dict(vocab_size=c.vocab_size, hidden=c.hidden_size, layers=c.num_hidden_layers,
+    extra = dict(moe=moe_kwargs(c)) if hf_type.moe else {}
+    return dict(extra, vocab_size=c.vocab_size, hidden=c.hidden_size, layers=c.num_hidden_layers,
                 heads=c.num_attention_heads,
                 kv_heads=c.num_key_value_heads or c.num_attention_heads,
                 intermediate=c.intermediate_size, max_positions=c.max_position_embeddings,
@@ -178,7 +200,10 @@ def _kwargs(c, hf_class: str) -> dict:
 
 # ---------------------------------------------------------------- weights
 def _to_ours(hf: KeyReader, kwargs: dict) -> State:
-    state = read_renamed(hf, _pairs(kwargs['layers'], kwargs['qkv_bias']))
+    moe = kwargs.get('moe')
+    state = read_renamed(hf, _pairs(kwargs['layers'], kwargs['qkv_bias'], moe))
+    for i in _moe_blocks(kwargs['layers'], moe):
+        state.update(experts_to_ours(hf, f'layers.{i}.mlp.experts.', f'blocks.{i}.mlp.experts.'))
     if kwargs['tie_embeddings']:
         if 'lm_head.weight' in hf:
             hf['lm_head.weight']  # noqa: B018 -- HF's tied copy of embed_tokens: read as such
@@ -189,8 +214,12 @@ def _to_ours(hf: KeyReader, kwargs: dict) -> State:
 
 
 def _to_hf(state: State, args: dict):
+    moe = args.get('moe')
     out = {'model.' + theirs: state[ours]
-           for ours, theirs in _pairs(args['layers'], args.get('qkv_bias', False))}
+           for ours, theirs in _pairs(args['layers'], args.get('qkv_bias', False), moe)}
+    for i in _moe_blocks(args['layers'], moe):
+        out.update(experts_to_hf(state, f'blocks.{i}.mlp.experts.',
+                                 f'model.layers.{i}.mlp.experts.'))
     out['lm_head.weight'] = state['embed.weight' if args.get('tie_embeddings') else
                                   'lm_head.weight']
     return None, out  # the class: that of the written config's model type (_class_of)
@@ -214,8 +243,11 @@ def _tokens(value, vocab: int):
 
 
 def _model_type(args: dict, base: dict) -> str:
-    if base.get('model_type') in _TYPES:
+    if base.get('model_type') in _TYPES and bool(_TYPES[base['model_type']].moe) == bool(
+            args.get('moe')):
         return base['model_type']
+    if args.get('moe'):
+        return moe_model_type(args)
     return 'qwen2' if args.get('qkv_bias') else 'llama'
 
 
@@ -223,7 +255,7 @@ def _config(args: dict, vocab: int, base: dict):
     import transformers
     args, model_type = _resolved(args), _model_type(args, base)
     hf_type = _TYPES[model_type]
-    if args.get('qkv_bias') and hf_type.qkv_bias is not True:
+    if args.get('qkv_bias') and hf_type.qkv_bias is not True and not hf_type.qkv_bias_field:
         raise ValueError(f'a model with q/k/v biases (qkv_bias=True) cannot be written as '
                          f'{hf_type.prefix}: its attention has no q/k/v-only biases')
     rope = dict(rope_type='default', rope_theta=float(args['rope_theta']))
@@ -238,16 +270,24 @@ def _config(args: dict, vocab: int, base: dict):
                rope_parameters=rope, tie_word_embeddings=bool(args.get('tie_embeddings')),
                attention_dropout=args.get('dropout', 0.0),
                initializer_range=args.get('init_std', 0.02))
-    if hf_type.qkv_bias is None:
+    if hf_type.qkv_bias_field:
+        cfg[hf_type.qkv_bias_field] = bool(args.get('qkv_bias'))
+    elif hf_type.qkv_bias is None:
         cfg.update(attention_bias=False, mlp_bias=False)
-    if model_type != 'qwen2':
+    if hf_type.moe:
+        cfg.update(moe_config(model_type, args))
+    if model_type not in ('qwen2', 'qwen2_moe'):
         cfg['head_dim'] = args['hidden'] // args['heads']
     for token in ('bos_token_id', 'eos_token_id', 'pad_token_id'):
         if token in cfg:
             cfg[token] = _tokens(cfg[token], vocab)
     config = getattr(transformers, hf_type.config).from_dict(cfg)
     back = _kwargs(config, _class_of(config))  # what we write must read back as ours
-    wrong = [k for k in _ARCH if back[k] != args.get(k)]
+    wrong = [k for k in _ARCH if back[k] != args.get(k)
+             and not (k == 'intermediate' and not dense_blocks(args))]
+    if hf_type.moe and moe_view(back['moe'], back['intermediate']) != moe_view(
+            args['moe'], args['intermediate']):
+        wrong.append('moe')
     if wrong:
         raise ValueError(f'the {hf_type.config} written would read back differently in '
                          f'{wrong}: ours {[args.get(k) for k in wrong]}, HF '
@@ -267,7 +307,4 @@ FAMILY = register(HFFamily(
     # rotary tables: persistent buffers of older transformers releases
     ignored=(r'(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq',),
     seeded={t.prefix + 'Model': ('lm_head.',) for t in _TYPES.values()},
-    class_of=_class_of,
-    unsupported={t: (lambda c, f=f: f'{f}={getattr(c, f, None)!r}: mixture-of-experts layers '
-                                    f'are not supported by Llama.from_hf')
-                 for t, f in _MOE.items()}))
+    class_of=_class_of))

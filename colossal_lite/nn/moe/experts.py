@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...context import ParallelMode, ProcessGroupAxis, current_context
-from ...tensor import Init, Placement, building_on_meta, new_parameter, set_placement
+from ...tensor import (Init, Placement, ShardedModule, building_on_meta, new_parameter,
+                       set_placement)
 from ..layers import Linear
 from .router import uniform_init
 
@@ -68,9 +69,11 @@ def grouped_swiglu(x: torch.Tensor, counts: List[int], gate: torch.Tensor, up: t
     return torch.cat(outs) if outs else x.new_zeros(0, down.shape[-1])
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(ShardedModule):
     """``experts`` routed SwiGLU experts (module doc), this rank's ``experts / E`` of them.
-    ``forward(x [S, h], counts)``: rows sorted by local expert. No communication."""
+    ``forward(x [S, h], counts)``: rows sorted by local expert. No communication in forward;
+    ``state_dict()`` gathers the full stacked tensors over EXPERT (collective) and
+    ``load_state_dict(full)`` keeps this rank's experts (``tensor.ShardedModule``)."""
 
     def __init__(self, hidden: int, ffn_hidden: int, experts: int, axis: ProcessGroupAxis,
                  weight_init: Optional[Init] = None):

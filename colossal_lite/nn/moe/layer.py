@@ -141,7 +141,12 @@ class MoE(nn.Module):
         self.last_tokens_per_expert = torch.zeros(experts, dtype=torch.int64)
         self.last_aux_loss = torch.zeros(())
         self.last_z_loss = torch.zeros(())
+        self.step_tokens_per_expert = torch.zeros(experts, dtype=torch.int64)
+        self.step_aux_loss = torch.zeros(())
+        self.step_z_loss = torch.zeros(())
         self._pending_counts: Optional[torch.Tensor] = None
+        self._pending_losses: Optional[torch.Tensor] = None
+        self._pending_forwards = 0
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,11 +174,12 @@ class MoE(nn.Module):
 
     def _count(self, experts: torch.Tensor) -> torch.Tensor:
         """Routed slots per expert: summed over ``stats_axis`` in training, local in eval;
-        accumulated for :meth:`update_balance_bias` in training with grad."""
+        accumulated for :meth:`update_balance_bias` (and the step's statistics) in training
+        with grad."""
         counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         if self.training:
             counts = C.all_reduce(counts, self.stats_axis)
-            if self.router.balance is not None and torch.is_grad_enabled():
+            if torch.is_grad_enabled():
                 pending = self._pending_counts
                 self._pending_counts = counts.clone() if pending is None else pending + counts
         self.last_tokens_per_expert = counts.detach()
@@ -182,13 +188,20 @@ class MoE(nn.Module):
     def _attach_losses(self, route, counts) -> torch.Tensor:
         """The routing weights, carrying the aux and z losses' gradient (``losses.py``)."""
         total = None
+        values = torch.zeros(2, device=route.logits.device)   # (aux, z) of this forward
         if self.aux_loss_coef:
             aux = self.aux_loss_coef * load_balancing_loss(route.probs, counts, self.top_k)
             self.last_aux_loss, total = aux.detach(), aux
+            values[0] = aux.detach()
         if self.z_loss_coef:
             z = self.z_loss_coef * z_loss(route.logits)
             self.last_z_loss = z.detach()
             total = z if total is None else total + z
+            values[1] = z.detach()
+        if torch.is_grad_enabled():   # the step's mean losses (update_balance_bias records)
+            pending = self._pending_losses
+            self._pending_losses = values if pending is None else pending + values
+            self._pending_forwards += 1
         if total is None:
             return route.weights
         return attach_loss(route.weights, total, self._loss_grad_scale)
@@ -203,12 +216,29 @@ class MoE(nn.Module):
     def update_balance_bias(self):
         """DeepSeek-V3 balancing step: ``bias += rate * sign(mean(c) - c)`` with ``c`` the
         global routed counts of the training forwards since the last call (every replica
-        the same). Call once per optimizer step (e.g. after ``engine.step()``); a no-op
-        without ``bias_update_rate`` or without forwards since the last call."""
-        if self.router.balance is None or self._pending_counts is None:
+        the same). Call once per optimizer step (the engine does, after ``engine.step()``);
+        the bias is left alone without ``bias_update_rate``; nothing happens without training
+        forwards since the last call.
+
+        It also closes the step's statistics (read by the trainer's ``MoEStatsHook``):
+        ``step_tokens_per_expert`` (int64 ``[experts]``, the global counts summed over the
+        step's micro-batches), ``step_aux_loss`` and ``step_z_loss`` (this rank's losses,
+        coefficient included, averaged over the step's training forwards)."""
+        if self._pending_counts is None:
             return
-        self.router.balance.update(self._pending_counts, self.bias_update_rate)
+        if self.router.balance is not None:
+            self.router.balance.update(self._pending_counts, self.bias_update_rate)
+        self.step_tokens_per_expert = self._pending_counts
+        if self._pending_losses is not None:
+            self.step_aux_loss, self.step_z_loss = (
+                self._pending_losses / max(1, self._pending_forwards)).unbind()
+        self.discard_balance_counts()
+
+    def discard_balance_counts(self):
+        """Forget the counts (and losses) gathered since the last :meth:`update_balance_bias`
+        (a skipped or discarded optimizer step)."""
         self._pending_counts = None
+        self._pending_losses, self._pending_forwards = None, 0
 
     def extra_repr(self) -> str:
         return (f'experts={self.num_experts}, top_k={self.top_k}, '
