@@ -10,7 +10,7 @@ forked CPU ranks (gloo, one thread each):
   Megatron layout, the best hand layout for a tensor-only mesh).
 
 * ``pinned``: the same HF model through ``parallelize`` with the hand layout pinned
-  (:func:`megatron_pins`): the executor's own cost, apart from the plan it chooses.
+  (``tests/auto_graph_models.gpt2_megatron_pins``): the executor's own cost, apart from the plan it chooses.
 
 Both are checked to give the same loss on the same batch, then forward + loss + backward +
 AdamW are timed, alternated round by round; rank 0's median per-round ratio auto / hand
@@ -41,6 +41,7 @@ from benchmarks._common import (adamw_step as step_fn, environment, print_table,
                                 timed_ratios, write_json)
 from benchmarks.gpt_tp_vs_torch import batch, hf_model  # noqa: E402
 from colossal_lite.models import HFCausalLM  # noqa: E402
+from tests.auto_graph_models import gpt2_megatron_pins  # noqa: E402
 
 
 MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'profiles',
@@ -78,7 +79,7 @@ def bench_rank(rank, args):
         raise RuntimeError(f'losses differ: auto {auto_loss}, hand {hand_loss}')
     pinned, pinned_plan = parallelize(HFCausalLM(hf_model(args).train()), (ids,),
                                       mesh={'tensor': args['tp']}, cluster=args['cluster'],
-                                      pins=megatron_pins(args['layers']))
+                                      pins=gpt2_megatron_pins(args['layers']))
     runs = {'auto': step_fn(auto, lambda m, x: m(x), ids),
             'hand': step_fn(hand, lambda m, x: loss(m(x), x), ids),
             'pinned': step_fn(pinned, lambda m, x: m(x), ids)}
@@ -89,20 +90,6 @@ def bench_rank(rank, args):
             'pinned_predicted_step_s': pinned_plan.predicted['step_s'], 'timed': timed,
             'timed_pinned': timed_ratios(runs, 'pinned', 'hand', args['repeats'],
                                          args['steps'])}
-
-
-def megatron_pins(layers: int) -> dict:
-    """The hand layout's placements pinned on the graph: q/k/v column-split head-aligned
-    (c_attn ``S1:3``), the attention and MLP output projections row-split (Conv1D weights
-    are ``[in, out]``), fc1 column-split, the tied embedding / LM head vocab-split."""
-    pins = {'model.lm_head.weight': ['S0'], '_log_softmax': ['S1'], 'gather': ['P'],
-            'embedding': ['P']}
-    for i in range(layers):
-        block = f'model.transformer.h.{i}.'
-        pins.update({block + 'attn.c_attn.weight': ['S1:3'], block + 'attn.c_attn.bias': ['S0:3'],
-                     block + 'attn.c_proj.weight': ['S0'], block + 'mlp.c_fc.weight': ['S1'],
-                     block + 'mlp.c_fc.bias': ['S0'], block + 'mlp.c_proj.weight': ['S0']})
-    return pins
 
 
 def search_time(layers: int) -> dict:

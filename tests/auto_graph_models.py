@@ -253,3 +253,16 @@ CASES: Dict[str, Case] = {
     'cnn': Case(_seeded(SmallCNN), _cnn_inputs, cross_entropy),
     'odd_ops': Case(_seeded(OddOps), _odd_inputs, mse),
 }
+
+
+def gpt2_megatron_pins(layers: int = LAYERS) -> dict:
+    """GPT-2's hand (Megatron) layout on a tensor axis: head-aligned q/k/v, row-split output
+    projections (Conv1D weights are [in, out]), column fc1, vocab-split tied embedding/head."""
+    pins = {'model.lm_head.weight': ['S0'], '_log_softmax': ['S1'], 'gather': ['P'],
+            'embedding': ['P']}   # vocab-parallel embedding and cross entropy
+    for i in range(layers):
+        block = f'model.transformer.h.{i}.'
+        pins.update({block + 'attn.c_attn.weight': ['S1:3'], block + 'attn.c_attn.bias': ['S0:3'],
+                     block + 'attn.c_proj.weight': ['S0'], block + 'mlp.c_fc.weight': ['S1'],
+                     block + 'mlp.c_fc.bias': ['S0'], block + 'mlp.c_proj.weight': ['S0']})
+    return pins

@@ -461,28 +461,15 @@ def test_head_aligned_split_of_gpt2_qkv_equals_serial_and_checkpoints(tmp_path):
 
 
 # ------------------------------------------------------------------ the hand layout on a graph
-def gpt2_megatron_pins(layers=2):
-    """GPT-2's hand (Megatron) layout on a tensor axis: head-aligned q/k/v, row-split output
-    projections (Conv1D weights are [in, out]), column fc1, vocab-split tied embedding/head."""
-    pins = {'model.lm_head.weight': ['S0'], '_log_softmax': ['S1'], 'gather': ['P'],
-            'embedding': ['P']}   # vocab-parallel embedding and cross entropy
-    for i in range(layers):
-        block = f'model.transformer.h.{i}.'
-        pins.update({block + 'attn.c_attn.weight': ['S1:3'], block + 'attn.c_attn.bias': ['S0:3'],
-                     block + 'attn.c_proj.weight': ['S0'], block + 'mlp.c_fc.weight': ['S1'],
-                     block + 'mlp.c_fc.bias': ['S0'], block + 'mlp.c_proj.weight': ['S0']})
-    return pins
-
-
 def _megatron_gpt2_bytes(rank):
     warnings.simplefilter('ignore')
     from colossal_lite.auto import parallelize
     from colossal_lite.communication.profile import comm_profile
-    from tests.auto_graph_models import CASES
+    from tests.auto_graph_models import CASES, LAYERS, gpt2_megatron_pins
     case = CASES['gpt2']
     inputs = case.inputs()
     model, plan = parallelize(case.build(), inputs, loss_fn=case.loss_fn, mesh=(4,),
-                              pins=gpt2_megatron_pins())
+                              pins=gpt2_megatron_pins(LAYERS))
     model(*inputs)                    # the first step traces the lowered program
     measured = {}
     for mode in ('lowered', 'interpreted'):
