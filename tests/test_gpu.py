@@ -611,7 +611,7 @@ def test_offloaded_optimizer_states_live_on_the_cpu_and_match_the_gpu_run(case, 
     """ZeRO-2 offload_optimizer / ZeRO-3 placement='cpu' on CUDA: fp32 masters and Adam
     moments on the CPU (stepped by torch's AdamW there or HybridAdam's C++ kernel), the
     model computing on the GPU; 4 steps end where the same ZeRO stage with everything on
-    the GPU ends (losses, weights, moments: 1e-5) and where serial CPU AdamW ends."""
+    the GPU ends (losses and weights: 1e-5, moments: 1e-4) and where serial CPU AdamW ends."""
     offloaded, on_gpu = OFFLOAD_CASES[case]
     fn = make_optimizer if optimizer == 'adamw' else hybrid_adam
     init, batch = serial_init(), global_batch()
@@ -623,7 +623,10 @@ def test_offloaded_optimizer_states_live_on_the_cpu_and_match_the_gpu_run(case, 
     assert off['param_devices'] == dev['param_devices'] == {CUDA.type}
     assert _close(off['losses'], dev['losses'], 1e-5), (off['losses'], dev['losses'])
     assert _worst_params(off['params'], dev['params']) <= 1e-5
-    assert _worst_state(off['state'], dev['state']) <= 1e-5
+    # moments stepped by two kernels (C++ on the CPU, fused on CUDA) after 4 steps of
+    # gradients that differ in rounding: measured on an H100, 3.4e-7 (torch AdamW on both
+    # sides) and 1.4e-5 (HybridAdam), while one step of either kernel pair agrees to 1e-7
+    assert _worst_state(off['state'], dev['state']) <= FP32_TOL
     assert _close(off['losses'], ref['losses'], FP32_TOL)
     assert _worst_params(off['params'], ref['params']) <= FP32_TOL
 
@@ -658,7 +661,7 @@ def _generation_run(device, state, prompt, monkeypatch=None) -> dict:
     greedy = generation.generate(model, prompt, 24)
     if monkeypatch is not None:
         monkeypatch.setattr(generation, 'pick', real)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3)).to(device)
     full, incremental = _logits(model, ids)
     return {'greedy': greedy, 'gap': min(gaps) if gaps else None,
             'sampled': generation.generate(model, prompt, 24, top_k=8, temperature=2.0, seed=3),

@@ -366,7 +366,8 @@ def _load_plain_optimizer(engine, slots: Dict[str, Dict[str, torch.Tensor]]) -> 
             raw = value.to_local() if isinstance(value, DTensor) else value
             whole = raw.untyped_storage().nbytes() == raw.numel() * raw.element_size()
             state[slot] = value if whole else value.clone()  # a loaded target is kept, not copied
-        optimizer.state[t] = state
+        place = getattr(optimizer, 'place_state', None)  # HybridAdam: step counts beside t
+        optimizer.state[t] = place(t, state) if place is not None else state
 
 
 @torch.no_grad()

@@ -179,24 +179,37 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict):
-        """Loads our own or torch.optim.Adam/AdamW's state dict: moments of CPU parameters
-        become fp32, a step stays a float32 scalar tensor next to where it is used, and
-        group keys torch's dict lacks (``adamw_mode``) take this optimizer's defaults."""
+        """Loads our own or torch.optim.Adam/AdamW's state dict (each parameter's state put
+        where :meth:`place_state` says); group keys torch's dict lacks (``adamw_mode``) take
+        this optimizer's defaults."""
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
             for p in group['params']:
-                state = self.state.get(p)
-                if not state:
-                    continue
-                on_cpu = p.device.type == 'cpu'
-                step = state['step']
-                state['step'] = torch.as_tensor(step, dtype=torch.float32).to(
-                    'cpu' if on_cpu else p.device).clone()
-                for key in ('exp_avg', 'exp_avg_sq'):
-                    dtype = torch.float32 if on_cpu else p.dtype
-                    state[key] = state[key].to(device=p.device, dtype=dtype).contiguous()
+                if self.state.get(p):
+                    self.state[p] = self.place_state(p, self.state[p], copy=True)
+
+    @staticmethod
+    def place_state(p: torch.Tensor, state: dict, copy: bool = False) -> dict:
+        """``state`` of ``p`` (from a state dict or a checkpoint) where the step uses it: the
+        step count a float32 scalar tensor beside ``p`` (on the CPU for a CPU parameter, on
+        the device for a device one, as torch's fused Adam reads it there), moments on
+        ``p``'s device (fp32 for a CPU parameter, ``p``'s dtype otherwise), contiguous.
+        With ``copy`` every tensor is this optimizer's own (a state dict from a live
+        optimizer would otherwise share its moments, and both would update them); without,
+        tensors already in place are kept (a checkpoint's freshly loaded targets). The step
+        is always a fresh tensor."""
+        on_cpu = p.device.type == 'cpu'
+        placed = dict(state)
+        placed['step'] = torch.as_tensor(state['step'], dtype=torch.float32).to(
+            'cpu' if on_cpu else p.device).clone()
+        for key in ('exp_avg', 'exp_avg_sq'):
+            if key in state:
+                dtype = torch.float32 if on_cpu else p.dtype
+                moved = state[key].to(device=p.device, dtype=dtype).contiguous()
+                placed[key] = moved.clone() if copy and moved is state[key] else moved
+        return placed
 
 
 class HybridAdam(CPUAdam):
