@@ -173,3 +173,55 @@ def test_expert_parallel_equals_transformers(tmp_path, world, parallel, padded, 
                 tmp_path / model_type, local_files_only=True).eval()
             assert back.config.vocab_size == V
             assert_equal_logits(hf_logits(back), expected[model_type])
+
+
+# ------------------------------------------------------------------ training, idle experts
+def _train_adamw(model, logits_of, batch, steps=3):
+    """``steps`` AdamW steps (eps 1: the gradient's scale matters; weight decay 0.1) on the
+    next-token loss of ``batch``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1.0, weight_decay=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        logits = logits_of(model, batch)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 batch[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
+def test_training_with_an_idle_expert_equals_transformers(tmp_path):
+    """Mixtral with 8 experts, top-1, 2 x 6 tokens: some experts receive no token in a step.
+    Three AdamW steps of ours and of transformers' MixtralForCausalLM from the same weights
+    end equal, every weight compared after ``save_hf`` (1e-5). Both store the experts
+    stacked (transformers' ``experts.gate_up_proj [X, 2f, h]``), so an idle expert's rows
+    get a zero gradient and AdamW decays them, in the serial model as here; the test checks
+    that an expert was idle and that its rows moved by exactly that decay in both."""
+    tf = _transformers()
+    hf = hf_moe('mixtral', num_local_experts=8, num_experts_per_tok=1).train()
+    ours = Llama.from_hf(hf).train()
+    batch = ids(batch=2, seq=6)
+    block = ours.blocks['1'].mlp
+    idle_every_step = set(range(8))
+
+    def our_logits_noting_idle(model, b):
+        logits = model(b)
+        idle_every_step.intersection_update(
+            (block.last_tokens_per_expert == 0).nonzero().flatten().tolist())
+        return logits
+
+    key = 'model.layers.1.mlp.experts.down_proj'
+    before = hf.state_dict()[key].clone()
+    hf_loss = _train_adamw(hf, lambda m, b: m(input_ids=b).logits, batch)
+    our_loss = _train_adamw(ours, our_logits_noting_idle, batch)
+    assert idle_every_step, 'no expert of block 1 was idle in all 3 steps: the test needs one'
+    assert abs(hf_loss - our_loss) <= 1e-5 * max(1.0, abs(hf_loss))
+    ours.save_hf(tmp_path)
+    back = tf.MixtralForCausalLM.from_pretrained(tmp_path, local_files_only=True).state_dict()
+    trained = hf.state_dict()
+    assert set(back) >= set(trained) - {k for k in trained if 'rotary' in k}
+    worst = max(max_rel_diff(back[k], v) for k, v in trained.items() if k in back)
+    assert worst <= 1e-5, worst
+    for e in idle_every_step:   # zero gradient, zero moments: decay alone, lr * wd per step
+        torch.testing.assert_close(trained[key][e], before[e] * (1 - 1e-2 * 0.1) ** 3,
+                                   rtol=1e-6, atol=1e-7)
