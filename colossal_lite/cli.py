@@ -38,6 +38,7 @@ from typing import List, Optional
 
 from ._version import __version__
 from .commands import add_parsers
+from .checkpoint import UnsafeCheckpointError
 from .config import ConfigError, load_config
 from .job import check_data, check_layout, check_paths, prepare_data
 from .launcher import run_workers
@@ -77,25 +78,38 @@ def check_job(config_path: str, nproc: int, steps: Optional[int], resume: Option
     the layout vs ``nproc``, the job's data (``job.check_data``), the job vs the layout and
     its pipeline (``job.check_layout``: divisibility of every split size and a build of the
     model on the meta device, cut as the run cuts it), the directories the run writes
-    (``job.check_paths``), the ``--resume`` checkpoint (complete, steps left) and
-    ``--max-restarts`` (a restart resumes from ``checkpoint.path``), then the data prepared
-    once (``job.prepare_data``: for ``hf`` the tokenizer and the packed blocks). The world
-    is ``nnodes`` x ``nproc`` processes. Returns ``(settings, layout, spec)``."""
+    (``job.check_paths``), ``--max-restarts`` (a restart resumes from ``checkpoint.path``),
+    the ``--resume`` checkpoint (complete, read as data, steps left: :func:`check_resume`),
+    then the data prepared once (``job.prepare_data``: for ``hf`` the tokenizer and the
+    packed blocks). The world is ``nnodes`` x ``nproc`` processes. Returns
+    ``(settings, layout, spec)``."""
+    settings, layout, spec = check_config(config_path, nproc, steps, max_restarts, nnodes)
+    check_resume(spec, resume)
+    prepare_data(spec, settings.pipeline.num_microbatches)
+    return settings, layout, spec
+
+
+def check_config(config_path: str, nproc: int, steps: Optional[int], max_restarts: int = 0,
+                 nnodes: int = 1):
+    """The checks of :func:`check_job` that concern the config and the flags (no checkpoint
+    is read, no data prepared): ``(settings, layout, spec)``."""
     if nproc < 1:
         raise ConfigError(f'--nproc must be a positive integer, got {nproc}')
+    if max_restarts < 0:
+        raise ConfigError(f'--max-restarts must be >= 0, got {max_restarts}')
     settings = load_config(config_path).settings
     layout = _with_nproc(settings.layout, nproc, nnodes)
     spec = check_data(settings.job.with_steps(steps))
     check_layout(spec, layout, settings.pipeline, settings.auto)
     check_paths(spec)
-    _check_resume(spec, resume, max_restarts)
-    prepare_data(spec, settings.pipeline.num_microbatches)
     return settings, layout, spec
 
 
-def _check_resume(spec, resume: Optional[str], max_restarts: int):
-    if max_restarts < 0:
-        raise ConfigError(f'--max-restarts must be >= 0, got {max_restarts}')
+def check_resume(spec, resume: Optional[str]) -> None:
+    """The ``--resume`` checkpoint: complete, its ``common.pt`` read as data
+    (``run_state.saved_step``: ``checkpoint.UnsafeCheckpointError`` for a file that would run
+    code, ``ValueError`` for one that is unreadable), and steps left of the job. Reads no
+    other file, starts nothing."""
     if resume is not None:
         step, total = saved_step(resume), spec.train.steps
         if total is not None and step >= total:
@@ -125,19 +139,28 @@ def train_command(args, entrypoint=None) -> int:
     """Check the job, run ``entrypoint(config_path, steps[, resume])`` (default: the trainer
     of ``colossal_lite.worker``; ``resume`` only with ``--resume``) on ``args.nproc``
     processes, restarted up to ``--max-restarts`` times; the exit status."""
+    resume = getattr(args, 'resume', None)
+    resume = os.path.abspath(resume) if resume else None
     try:
-        resume = getattr(args, 'resume', None)
-        resume = os.path.abspath(resume) if resume else None
-        restarts = getattr(args, 'max_restarts', 0)
         nodes = nodes_from_args(args)
-        settings, layout, spec = check_job(args.config, args.nproc, args.steps, resume,
-                                           restarts, nodes.nnodes)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f'colossal-lite: bad config {args.config}: {exc}', file=sys.stderr)
+        settings, layout, spec = check_config(args.config, args.nproc, args.steps,
+                                              getattr(args, 'max_restarts', 0), nodes.nnodes)
+    except CONFIG_ERRORS as exc:
+        return _config_failed(args.config, exc)
+    try:   # the checkpoint's errors are the checkpoint's, not the config's
+        check_resume(spec, resume)
+    except UnsafeCheckpointError as exc:
+        print(f'colossal-lite: refused the checkpoint of --resume {resume} as untrusted, '
+              f'nothing was run: {exc}', file=sys.stderr)
         return 2
-    except NotImplementedError as exc:
-        print(f'colossal-lite: not supported yet by {args.config}: {exc}', file=sys.stderr)
+    except RESUME_ERRORS as exc:
+        print(f'colossal-lite: cannot resume from --resume {resume}, nothing was run: {exc}',
+              file=sys.stderr)
         return 2
+    try:
+        prepare_data(spec, settings.pipeline.num_microbatches)
+    except CONFIG_ERRORS as exc:
+        return _config_failed(args.config, exc)
     on = (f'{args.nproc} process(es)' if nodes.nnodes == 1 else
           f'{nodes.nnodes} node(s) x {args.nproc} process(es)')
     auto = settings.auto
@@ -154,7 +177,21 @@ def train_command(args, entrypoint=None) -> int:
     entrypoint = entrypoint or worker_main
     entry_args = (os.path.abspath(args.config), args.steps) + ((resume,) if resume else ())
     return run_workers(args.nproc, args.port, entrypoint, *entry_args, what='training',
-                       max_restarts=restarts, nodes=nodes)
+                       max_restarts=getattr(args, 'max_restarts', 0), nodes=nodes)
+
+
+CONFIG_ERRORS = (ConfigError, ValueError, FileNotFoundError, NotImplementedError)
+# a --resume checkpoint that is incomplete, unreadable or has no steps left (ConfigError)
+RESUME_ERRORS = (ValueError, FileNotFoundError)
+
+
+def _config_failed(config: str, exc: Exception) -> int:
+    """Print a parent-side error of the config (or the flags) of ``train``; exit status 2."""
+    if isinstance(exc, NotImplementedError):
+        print(f'colossal-lite: not supported yet by {config}: {exc}', file=sys.stderr)
+    else:
+        print(f'colossal-lite: bad config {config}: {exc}', file=sys.stderr)
+    return 2
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -59,9 +59,17 @@ def resume_dir(spec, resume: Optional[str]) -> Optional[str]:
 
 
 def saved_step(path: str) -> int:
-    """The global step a complete checkpoint was saved at (read as data; no collective)."""
+    """The global step a complete checkpoint was saved at (read as data; no collective).
+    ``checkpoint.UnsafeCheckpointError`` for a ``common.pt`` that would need a Python object
+    (code) to be read, a ``ValueError`` naming the file for one that cannot be read at all
+    (empty, truncated, not a ``torch.save`` file, no permission)."""
     file = os.path.join(resolve(path), COMMON)
-    common = read(file)
+    try:
+        common = read(file)
+    except (EOFError, RuntimeError, OSError) as err:  # files.read: refused ones raise their own
+        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else 'it ends early'
+        raise ValueError(f'{file}: unreadable ({type(err).__name__}: {reason}): not a complete '
+                         f'file written by checkpoint.save (truncated or corrupt?)') from None
     if not isinstance(common, dict) or not isinstance(common.get('global_step'), int):
         raise ValueError(f'{file} is not the common state of a checkpoint (no global step)')
     return common['global_step']

@@ -220,6 +220,49 @@ def test_save_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
     extra, step, loaded, _, _ = run_distributed(_load_fresh, 1, SERIAL, path)[0]
     assert step == 2
     _assert_equal_states(saved, loaded)
+    run_distributed(_train_and_save, 1, SERIAL, path, 1)   # the next save to the same path
+    assert glob.glob(path + '.tmp-*') == []                 # removes what the crash left
+    assert run_distributed(_load_fresh, 1, SERIAL, path)[0][1] == 1
+
+
+def _failing_save(rank, path, where, async_save):
+    """One more step, then a save whose rank 1 raises: in its side files, or in DCP's write
+    of its shards. Every rank's error as text."""
+    engine = _engine()
+    _steps(engine, 1)
+    if rank == 1 and where == 'side files':
+        def broken():
+            raise OSError(28, 'no space left on device (test)')
+        S.rng_state = broken
+    elif rank == 1:
+        def broken(self, plan, planner):
+            raise OSError(28, 'no space left on device (test)')
+        dcp.FileSystemWriter.write_data = broken
+    try:
+        handle = checkpoint.save(path, engine, async_save=async_save)
+        if handle is not None:
+            handle.wait()
+    except (Exception, dcp.CheckpointException) as err:   # DCP's is a BaseException
+        return f'{type(err).__name__}: {err}'
+    return 'saved'
+
+
+@pytest.mark.parametrize('where, async_save', [
+    ('side files', False), ('shards', False), ('side files', True), ('shards', True)])
+def test_a_failed_save_raises_on_every_rank_and_removes_its_tmp_dir(tmp_path, where, async_save):
+    path = str(tmp_path / 'ckpt')
+    run_distributed(_train_and_save, 2, TP2, path, 2)
+    before = sorted(os.listdir(path))
+    errors = run_distributed(_failing_save, 2, TP2, path, where, async_save, timeout=120)
+    assert all(e != 'saved' for e in errors), errors
+    assert 'no space left on device (test)' in errors[1], errors
+    if where == 'side files':   # rank 0 did its part: it names the rank that failed
+        assert errors[0].startswith('RuntimeError: checkpoint save failed while writing ') \
+            and 'on rank(s) [1]' in errors[0], errors
+    assert glob.glob(path + '.tmp-*') == [] and sorted(os.listdir(tmp_path)) == ['ckpt']
+    assert sorted(os.listdir(path)) == before
+    from colossal_lite import run_state
+    assert run_state.saved_step(path) == 2
 
 
 def test_load_of_a_missing_or_incomplete_directory_names_it(tmp_path):

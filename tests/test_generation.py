@@ -6,6 +6,7 @@ for Llama's rotated, grouped-query cache: kv heads split or replicated),
 
 References are computed serially in the test process from the same full weights.
 """
+import os
 import re
 
 import pytest
@@ -437,6 +438,44 @@ def test_bad_generate_arguments_exit_2_before_any_worker_starts(gpt_job, capfd, 
 def test_bad_eval_arguments_exit_2_before_any_worker_starts(gpt_job, capfd, no_workers, argv,
                                                             message):
     code, _, err = _cli(['eval', gpt_job[0]] + argv, capfd)
+    assert code == 2 and re.search(message, err), err
+
+
+ON_2_NODES = ['--nnodes', '2', '--node-rank', '0', '--rdzv-endpoint', '127.0.0.1:29999']
+SLURM_2_NODES = dict(SLURM_NNODES='2', SLURM_NODEID='0', SLURM_JOB_ID='7',
+                     SLURM_JOB_NODELIST='127.0.0.1', MASTER_PORT='29999')
+
+
+@pytest.mark.parametrize('command,argv,env,message', [
+    ('generate', ['--nproc', '3', '--tensor-mode', '2d'] + ON_2_NODES, {},
+     r'6 processes \(--nnodes 2 x --nproc 3\) do not fit --tensor-mode 2d: 2D tensor '
+     r'parallelism needs .* = q\*q, got 6'),
+    ('generate', ['--nproc', '4'] + ON_2_NODES, {},
+     r'cannot be split over 8 process\(es\) \(--nnodes 2 x --nproc 4\) in tensor mode 1d'),
+    ('generate', ['--nproc', '4'], SLURM_2_NODES,
+     r'cannot be split over 8 process\(es\) \(SLURM_NNODES=2 x --nproc 4\) in tensor mode 1d'),
+    ('eval', ['--nproc', '1', '--tensor-mode', '2d', '--nnodes', '3', '--node-rank', '0',
+              '--rdzv-endpoint', '127.0.0.1:29999'], {},
+     r'3 processes \(--nnodes 3 x --nproc 1\) do not fit --tensor-mode 2d'),
+    ('eval', ['--nproc', '4'] + ON_2_NODES, {},
+     r"on 8 processes \(--nnodes 2 x --nproc 4\): tensor mode '1d' splits the attention heads "
+     r"8 ways .* divisible by 8, got 4"),
+])
+def test_multi_node_world_size_errors_name_nnodes_times_nproc(gpt_job, capfd, monkeypatch,
+                                                              command, argv, env, message):
+    """generate / eval on several nodes: the tensor-parallel size is nnodes x nproc, and an
+    error about it names that total and the flags (or variables) it comes from."""
+    import importlib
+    for name in list(os.environ):
+        if name.startswith('SLURM_') or name in ('MASTER_ADDR', 'MASTER_PORT'):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    module = importlib.import_module(f'colossal_lite.commands.{command}')
+    monkeypatch.setattr(module, 'run_workers', lambda *a, **k: pytest.fail('a worker started'))
+    base = ['generate', gpt_job[0], '--prompt', 'MACBETH:', '--tokens', '4'] \
+        if command == 'generate' else ['eval', gpt_job[0]]
+    code, _, err = _cli(base + argv, capfd)
     assert code == 2 and re.search(message, err), err
 
 

@@ -118,6 +118,47 @@ def test_a_planted_pickle_in_common_pt_is_refused_by_eval_generate_and_resume(
     assert not os.path.exists(marker)
 
 
+def _must_not_run(*args):
+    raise AssertionError('a worker started for a checkpoint the parent refused')
+
+
+def test_train_resume_blames_the_checkpoint_not_the_config(job, tmp_path, capfd, monkeypatch):
+    """``train --resume`` on a refused or unreadable ``common.pt``: exit 2 naming the
+    checkpoint file (not "bad config"), nothing run -- no worker, no data prepared."""
+    from colossal_lite import cli
+    path, _, ckpt = _copy(job, tmp_path)
+    common = os.path.join(ckpt, 'common.pt')
+    good = open(common, 'rb').read()
+    marker = str(tmp_path / 'ran')
+    _plant(common, marker, 'evil')
+    started = []
+    monkeypatch.setattr(cli, 'run_workers', lambda *a, **k: started.append(a))
+    monkeypatch.setattr(cli, 'prepare_data', lambda *a, **k: started.append(a))
+
+    def train():
+        capfd.readouterr()
+        args = cli._parser().parse_args(['train', path, '--steps', '3', '--resume', ckpt])
+        code = cli.train_command(args, entrypoint=_must_not_run)
+        return code, capfd.readouterr().err
+
+    code, err = train()
+    assert code == 2 and 'bad config' not in err and path not in err, err
+    assert re.search(r'refused the checkpoint of --resume .* as untrusted, nothing was run: '
+                     + re.escape(common) + r': refused: reading it needs the Python object '
+                     r'(posix|os)\.system', err), err
+    for broken in (b'', good[:len(good) // 2]):     # empty, truncated
+        with open(common, 'wb') as f:
+            f.write(broken)
+        code, err = train()
+        assert code == 2 and 'bad config' not in err and path not in err, err
+        assert re.search(r'cannot resume from --resume .*, nothing was run: '
+                         + re.escape(common) + r': unreadable \((EOFError|RuntimeError)', err), err
+    shutil.rmtree(ckpt)
+    code, err = train()
+    assert code == 2 and 'bad config' not in err and 'is not a complete checkpoint' in err, err
+    assert started == [] and not os.path.exists(marker)
+
+
 def test_a_planted_pickle_in_an_rng_file_is_refused_on_resume(job, tmp_path):
     path, cfg, ckpt = _copy(job, tmp_path)
     marker = str(tmp_path / 'ran')
@@ -239,3 +280,4 @@ def test_a_crash_between_the_commits_renames_leaves_a_checkpoint_load_finds(tmp_
     assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
     assert model and all(torch.equal(v, saved[k]) for k, v in model.items())
     assert glob.glob(path + '.old-*') == [] and run_state.saved_step(path) == 3
+    assert glob.glob(path + '.tmp-*') == []           # the crashed save's too

@@ -24,6 +24,14 @@ the old one; a final barrier ends the call. A crash before the rename leaves the
 previous ``dir`` untouched; one between the two renames leaves it at ``dir.old-<uuid>``,
 where :func:`load` (``files.complete_dir``) finds it and the next commit removes it.
 
+A save that fails (an exception on any rank: creating the directory, DCP's writes, the side
+files, the commit) is agreed on by every rank at the step's end (:func:`_settle`: one
+all_reduce over GLOBAL in place of the barrier that was there, so a rank that failed never
+leaves its peers waiting); rank 0, which created ``dir.tmp-<uuid>``, then removes it and
+every rank raises (the failed ranks their own error, the others a ``RuntimeError`` naming the
+failed ranks). A process that crashes cannot clean up: the next successful commit to the same
+``dir`` removes the ``dir.tmp-*`` it left.
+
 Load: every rank reads the index and asks DCP for its own keys (its stage's model keys
 and its parameters' optimizer slots) as DTensors with its own placements, so DCP reads
 the overlapping saved chunks (``state.sharded_targets`` / ``load_sharded_tensor_state``):
@@ -36,9 +44,11 @@ there, e.g. a position that is not a whole number of its global batches).
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import uuid
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -51,6 +61,11 @@ from ..communication import collective as C
 from ..context import ParallelMode, current_context
 from ..tensor import layout_mesh
 from .files import COMMON, SafeReader, moved_aside, plain, read, resolve, rng_file, write
+
+
+# what a failed step of a save raises: DCP's CheckpointException (every rank's errors of a
+# DCP step, raised on every rank) is a BaseException
+SAVE_ERRORS = (Exception, dcp.CheckpointException)
 
 
 def _distributed() -> bool:
@@ -97,14 +112,57 @@ def _check_dataloader(dataloader):
                         f'{type(dataloader).__name__}')
 
 
+def _settle(error: Optional[BaseException], tmp: Optional[str], what: str) -> None:
+    """The end of one step of a save, on every rank (collective: it is the step's barrier):
+    whether any rank's ``error`` is set, agreed by one all_reduce of a per-rank flag over
+    GLOBAL. If any rank failed, rank 0 removes ``tmp`` (it created it, and every rank is past
+    its writes into it) and every rank raises: its own error, or a ``RuntimeError`` naming
+    the ranks that failed ``what``."""
+    failed = [0] if error is not None else []
+    if _distributed():
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.int32,
+                            device=current_context().device)
+        flags[dist.get_rank()] = int(error is not None)
+        flags = C.all_reduce(flags, ParallelMode.GLOBAL)
+        failed = [r for r, f in enumerate(flags.cpu().tolist()) if f]
+    if not failed:
+        return
+    if _rank() == 0 and tmp is not None:
+        _discard(tmp)
+    if error is not None:
+        raise error
+    raise RuntimeError(f'checkpoint save failed while {what} on rank(s) {failed} (their own '
+                       f'errors name the cause); {tmp or "the new checkpoint"} was removed and '
+                       f'the previous checkpoint, if any, is unchanged')
+
+
+def _discard(folder: str) -> None:
+    """Remove an uncommitted ``path.tmp-*`` folder; a failure to do so is a warning (the next
+    commit to the same path removes it)."""
+    try:
+        shutil.rmtree(folder)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        warnings.warn(f'could not remove the unfinished checkpoint folder {folder}: {err}')
+
+
+def _stale(path: str):
+    """The ``path.tmp-<uuid>`` folders of saves to ``path`` that never committed."""
+    return glob.glob(glob.escape(path) + '.tmp-*')
+
+
 def _commit(tmp: str, path: str) -> None:
     """Rank 0: put the complete ``tmp`` at ``path``; the old checkpoint is removed last (with
-    any ``path.old-*`` an earlier crash between these two renames left)."""
+    any ``path.old-*`` an earlier crash between these two renames left, and any
+    ``path.tmp-*`` a save that crashed before its commit left)."""
     if os.path.exists(path):
         os.rename(path, f'{path}.old-{uuid.uuid4().hex}')
     os.rename(tmp, path)
     for old in moved_aside(path):
         shutil.rmtree(old)
+    for stale in _stale(path):
+        _discard(stale)
 
 
 class AsyncSave:
@@ -124,8 +182,12 @@ class AsyncSave:
         self.done = True
         if _pending is self:
             _pending = None
-        self._future.result()
-        _finish(self.tmp, self.path)
+        error = None
+        try:
+            self._future.result()
+        except SAVE_ERRORS as err:  # noqa: BLE001 -- agreed on by every rank in _finish
+            error = err
+        _finish(self.tmp, self.path, error)
 
 
 _pending: Optional[AsyncSave] = None
@@ -172,12 +234,17 @@ class _Staged:
         pass
 
 
-def _finish(tmp: str, path: str) -> None:
-    """Every rank wrote its part of ``tmp``: a barrier, rank 0 commits, a barrier."""
-    _barrier()
+def _finish(tmp: str, path: str, error: Optional[BaseException] = None) -> None:
+    """Every rank wrote its part of ``tmp`` (or failed with ``error``): agreed by every rank
+    (:func:`_settle`, the barrier), rank 0 commits, agreed again."""
+    _settle(error, tmp, f'writing {tmp}')
+    error = None
     if _rank() == 0:
-        _commit(tmp, path)
-    _barrier()
+        try:
+            _commit(tmp, path)
+        except SAVE_ERRORS as err:  # noqa: BLE001 -- agreed on by every rank below
+            error = err
+    _settle(error, tmp if os.path.isdir(tmp) else None, f'putting {tmp} at {path}')
 
 
 def save(path: str, engine, lr_scheduler=None, dataloader=None, extra: Any = None,
@@ -200,25 +267,48 @@ def save(path: str, engine, lr_scheduler=None, dataloader=None, extra: Any = Non
     tmp = f'{path}.tmp-{_shared_token()}'
     views = _views()
     flat = S.tensor_state(engine) if views is None else S.sharded_tensor_state(engine, views)
-    rank = _rank()
+    rank, error, future = _rank(), None, None
     if rank == 0:
-        os.makedirs(tmp)
-    _barrier()
-    writer = dcp.FileSystemWriter(tmp)
-    if async_save:
-        future = dcp.async_save(_cpu_copies(flat), storage_writer=writer,
-                                process_group=_async_group(), async_stager=_Staged())
-    else:
-        dcp.save(flat, storage_writer=writer)
-    write(S.rng_state(), os.path.join(tmp, rng_file(rank)))
-    if rank == 0:
-        write(common, os.path.join(tmp, COMMON))
+        try:
+            os.makedirs(tmp)
+        except OSError as err:
+            error = err
+    _settle(error, None, f'creating {tmp}')   # the barrier: tmp exists on every rank
+    try:  # a failure is agreed on below; DCP itself raises a rank's write error on every rank
+        writer = dcp.FileSystemWriter(tmp)
+        if async_save:
+            future = dcp.async_save(_cpu_copies(flat), storage_writer=writer,
+                                    process_group=_async_group(), async_stager=_Staged())
+        else:
+            dcp.save(flat, storage_writer=writer)
+        write(S.rng_state(), os.path.join(tmp, rng_file(rank)))
+        if rank == 0:
+            write(common, os.path.join(tmp, COMMON))
+    except SAVE_ERRORS as err:  # noqa: BLE001 -- every rank raises in _settle / _finish
+        error = err
     if not async_save:
-        _finish(tmp, path)
+        _finish(tmp, path, error)
         return None
+    failed, futureless = _count(error is not None, future is None)
+    if failed:  # the background writes end before rank 0 removes tmp -- unless a rank has
+        if future is not None and not futureless:  # none: then DCP's first exchange waits
+            try:                                     # for it, before any write, for good
+                future.result()
+            except SAVE_ERRORS:  # noqa: BLE001 -- the save failed already
+                pass
+        _settle(error, tmp, f'writing {tmp}')
     global _pending
     _pending = AsyncSave(future, tmp, path)
     return _pending
+
+
+def _count(*flags: bool) -> list:
+    """How many ranks have each flag set (one all_reduce over GLOBAL)."""
+    if not _distributed():
+        return [int(f) for f in flags]
+    counts = torch.tensor([int(f) for f in flags], dtype=torch.int32,
+                          device=current_context().device)
+    return C.all_reduce(counts, ParallelMode.GLOBAL).cpu().tolist()
 
 
 def load_tensors(path: str, engine) -> None:

@@ -46,16 +46,37 @@ def on_nodes(args):
     """``(nodes, processes on this node, args)`` of a command line with the node flags
     (``launcher.nodes``: flags > SLURM > one node); the returned ``args`` is a copy whose
     ``nproc`` is the world size, nnodes x ``--nproc``: the tensor-parallel size that the
-    checks and the workers use."""
+    checks and the workers use, and whose ``world_flags`` names where that size comes from
+    (:func:`world_flags`), for the checks' errors."""
     nodes, local = nodes_from_args(args), args.nproc
     if isinstance(local, bool) or not isinstance(local, int) or local < 1:
         raise ConfigError(f'--nproc must be a positive integer, got {local!r}')
-    return nodes, local, argparse.Namespace(**dict(vars(args), nproc=nodes.nnodes * local))
+    return nodes, local, argparse.Namespace(**dict(
+        vars(args), nproc=nodes.nnodes * local, world_flags=world_flags(nodes, local)))
 
 
-def parallel_section(nproc: int, mode: Optional[str], depth: Optional[int]) -> dict:
+def world_flags(nodes, local: int) -> Optional[str]:
+    """Where a multi-node world size comes from: ``--nnodes N x --nproc K`` (or
+    ``SLURM_NNODES=N x --nproc K`` when SLURM gave the node count); None on one node, where
+    the world size is ``--nproc`` itself."""
+    if nodes.nnodes == 1:
+        return None
+    slurm = f'SLURM_NNODES={nodes.nnodes}'
+    count = slurm if slurm in nodes.sources else f'--nnodes {nodes.nnodes}'
+    return f'{count} x --nproc {local}'
+
+
+def _processes(nproc: int, flags: Optional[str]) -> str:
+    """How an error names the world size: ``--nproc K`` on one node, ``N*K processes
+    (--nnodes N x --nproc K)`` on several."""
+    return f'--nproc {nproc}' if flags is None else f'{nproc} processes ({flags})'
+
+
+def parallel_section(nproc: int, mode: Optional[str], depth: Optional[int],
+                     flags: Optional[str] = None) -> dict:
     """The ``parallel`` dict of tensor parallelism over ``nproc`` processes; a ConfigError
-    naming the flags when they do not fit."""
+    naming the flags when they do not fit (``flags``: where a multi-node ``nproc`` comes
+    from, :func:`world_flags`)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f'--nproc must be a positive integer, got {nproc!r}')
     if depth is not None and mode != '2.5d':
@@ -68,32 +89,35 @@ def parallel_section(nproc: int, mode: Optional[str], depth: Optional[int]) -> d
     try:
         parse_parallel(dict(tensor=tensor))
     except ConfigError as err:
-        raise ConfigError(f'--nproc {nproc} does not fit --tensor-mode {tensor["mode"]}'
+        raise ConfigError(f'{_processes(nproc, flags)} do{"es" if flags is None else ""} not '
+                          f'fit --tensor-mode {tensor["mode"]}'
                           f'{f" --depth {depth}" if depth is not None else ""}: {err}') from None
     return dict(tensor=tensor)
 
 
 def inference_config(ckpt: str, nproc: int, mode: Optional[str] = None,
-                     depth: Optional[int] = None):
+                     depth: Optional[int] = None, flags: Optional[str] = None):
     """The validated config of the checkpoint's job under the tensor layout (module doc)."""
     source = {k: v for k, v in job_settings(ckpt).to_dict().items() if k not in TRAINING_ONLY}
-    parallel = parallel_section(nproc, mode, depth)
+    parallel = parallel_section(nproc, mode, depth, flags)
     if parallel:
         source['parallel'] = parallel
     return load_config(source)
 
 
-def check_model(cfg, nproc: int):
+def check_model(cfg, nproc: int, flags: Optional[str] = None):
     """The job's model built on the meta device for the layout (rank 0 and the last rank):
-    a ConfigError naming the split that fails. Returns rank 0's meta model."""
+    a ConfigError naming the split that fails (and ``flags``, :func:`world_flags`). Returns
+    rank 0's meta model."""
     spec, layout = resolve_vocab(cfg.settings.job), cfg.settings.layout.with_world_size(nproc)
     models = {}
     for rank in sorted({0, nproc - 1}):
         try:
             models[rank] = describe_model(spec, layout, rank)
         except ValueError as err:
+            over = f'{nproc} process(es)' + (f' ({flags})' if flags else '')
             raise ConfigError(f'the checkpoint\'s {spec.kind} model cannot be split over '
-                              f'{nproc} process(es) in tensor mode {layout.mode}: {err}') from None
+                              f'{over} in tensor mode {layout.mode}: {err}') from None
     return models[0]
 
 
@@ -110,6 +134,18 @@ def job_tokenizer(spec):
         return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(list(ids)))
     raise ConfigError(f'the checkpoint\'s job trains on data type {spec.data_type!r}, which has '
                       f'no tokenizer: generation needs a text job (shakespeare or hf)')
+
+
+def check_world(check, nproc: int, flags: Optional[str]):
+    """``check()``; a ConfigError it raises names the world size and, on several nodes, the
+    flags it comes from (``flags``, :func:`world_flags`) -- the checks below name sizes of the
+    layout only."""
+    try:
+        return check()
+    except ConfigError as err:
+        if flags is None:
+            raise
+        raise ConfigError(f'on {nproc} processes ({flags}): {err}') from None
 
 
 def fail(what: str, ckpt: str, err: Exception) -> int:

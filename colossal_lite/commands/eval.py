@@ -21,8 +21,8 @@ from ..job import build_criterion, build_data, build_optimizer, check_layout, re
 from ..launcher import run_workers
 from ..trainer import Trainer
 from ..trainer import hooks as H
-from ._from_checkpoint import (PARENT_ERRORS, add_layout_arguments, fail, inference_config,
-                               launch_worker, on_nodes)
+from ._from_checkpoint import (PARENT_ERRORS, add_layout_arguments, check_world, fail,
+                               inference_config, launch_worker, on_nodes)
 
 
 def add_parser(subparsers) -> None:
@@ -39,8 +39,10 @@ def add_parser(subparsers) -> None:
 def prepare(args) -> None:
     if args.batches is not None and args.batches < 1:
         raise ConfigError(f'--batches must be a positive integer, got {args.batches}')
-    cfg = inference_config(args.checkpoint, args.nproc, args.tensor_mode, args.depth)
-    check_layout(resolve_vocab(cfg.settings.job), cfg.settings.layout.with_world_size(args.nproc))
+    flags = getattr(args, 'world_flags', None)    # on several nodes (on_nodes)
+    cfg = inference_config(args.checkpoint, args.nproc, args.tensor_mode, args.depth, flags)
+    layout = cfg.settings.layout.with_world_size(args.nproc)
+    check_world(lambda: check_layout(resolve_vocab(cfg.settings.job), layout), args.nproc, flags)
 
 
 def run(args, entrypoint=None) -> int:

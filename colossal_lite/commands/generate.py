@@ -69,8 +69,9 @@ def prepare(args):
     """Every check of the module doc; the prompt's token ids. Sets ``args.top_k`` and
     ``args.temperature`` to what the workers use (:func:`sampling`)."""
     args.top_k, args.temperature = sampling(args)
-    cfg = inference_config(args.checkpoint, args.nproc, args.tensor_mode, args.depth)
-    model = check_model(cfg, args.nproc)
+    flags = getattr(args, 'world_flags', None)    # on several nodes (on_nodes)
+    cfg = inference_config(args.checkpoint, args.nproc, args.tensor_mode, args.depth, flags)
+    model = check_model(cfg, args.nproc, flags)
     spec = cfg.settings.job
     if not hasattr(model, 'new_kv_cache'):
         raise ValueError(f'the checkpoint holds a {spec.kind!r} model; generate needs a causal '
