@@ -44,7 +44,9 @@ def _llama_rules(o):
 
 def _llama_check(o, layout):
     """``model.moe`` against ``parallel.expert`` (top_k, experts, capacity_factor)."""
-    check_moe(o.get('moe'), o.get('layers'), getattr(layout, 'expert', 1))
+    tensor_1d = getattr(layout, 'tensor', 1) if getattr(layout, 'mode', None) == '1d' else 1
+    check_moe(o.get('moe'), o.get('layers'), getattr(layout, 'expert', 1), tensor_1d,
+              o.get('intermediate'))
 
 
 def _vit_rules(o):

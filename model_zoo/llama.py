@@ -96,15 +96,19 @@ class SwiGLU(nn.Module):
 
 
 MOE_LAYER_KEYS = ('score', 'renormalize', 'capacity_factor', 'aux_loss_coef', 'z_loss_coef',
-                  'bias_update_rate', 'shared_experts', 'shared_ffn_hidden', 'shared_gate')
+                  'bias_update_rate', 'shared_experts', 'shared_ffn_hidden', 'shared_gate',
+                  'expert_tensor_parallel')
 MOE_KEYS = ('experts', 'top_k', 'ffn_hidden', 'first_dense') + MOE_LAYER_KEYS
 
 
-def check_moe(moe, layers: int = None, expert_ranks: int = 1) -> dict:
+def check_moe(moe, layers: int = None, expert_ranks: int = 1, tensor_1d: int = 1,
+              intermediate: int = None) -> dict:
     """``moe`` (None, or a dict of :data:`MOE_KEYS`) checked -> the normalized dict (None when
     no MoE): ``experts`` >= 1, ``1 <= top_k <= experts``, ``experts`` divisible by
     ``expert_ranks`` (``parallel.expert``), ``capacity_factor`` None or > 0, ``first_dense``
-    in ``[0, layers]``. Each failure a ConfigError (a ValueError) naming ``model.moe.<key>``;
+    in ``[0, layers]``, ``expert_tensor_parallel`` None/bool (True only under 1D tensor
+    parallelism, ``tensor_1d`` > 1), the expert width divisible by ``tensor_1d`` when it is
+    cut (``ffn_hidden``, else ``intermediate``). Each failure a ConfigError (a ValueError) naming ``model.moe.<key>``;
     no communication (the same check runs in ``colossal-lite train`` before any worker)."""
     if moe is None:
         return None
@@ -138,6 +142,19 @@ def check_moe(moe, layers: int = None, expert_ranks: int = 1) -> dict:
             or (layers is not None and first_dense > layers):
         raise ConfigError(f"'model.moe.first_dense' must be an integer in [0, layers = "
                           f"{layers}], got {first_dense!r}")
+    etp = moe.get('expert_tensor_parallel')
+    if etp is not None and not isinstance(etp, bool):
+        raise ConfigError(f"'model.moe.expert_tensor_parallel' must be None, True or False, "
+                          f"got {etp!r}")
+    if etp and tensor_1d == 1:
+        raise ConfigError("'model.moe.expert_tensor_parallel' = True needs 1D tensor "
+                          "parallelism (parallel.tensor = dict(mode='1d', size > 1))")
+    width = moe.get('ffn_hidden') or intermediate
+    if etp is not False and tensor_1d > 1 and width is not None and width % tensor_1d:
+        raise ConfigError(f"the expert width ('model.moe.ffn_hidden', else "
+                          f"'model.intermediate') = {width} must be divisible by "
+                          f"'parallel.tensor.size' = {tensor_1d} (expert tensor parallelism; "
+                          f"'model.moe.expert_tensor_parallel' = False keeps experts whole)")
     return dict(moe, first_dense=first_dense)
 
 
@@ -204,7 +221,8 @@ class Llama(CachedDecoding, HFConvertible, StagedTransformer):
     ``intermediate``), ``first_dense=n`` keeps the first n blocks' dense SwiGLU (DeepSeek),
     the other keys are :class:`~colossal_lite.nn.MoE`'s (``score``, ``renormalize``,
     ``capacity_factor``, ``aux_loss_coef``, ``z_loss_coef``, ``bias_update_rate``,
-    ``shared_experts``, ``shared_ffn_hidden``, ``shared_gate``); experts split over
+    ``shared_experts``, ``shared_ffn_hidden``, ``shared_gate``, ``expert_tensor_parallel``);
+    experts split over
     ``parallel.expert`` ranks. Checked by :func:`check_moe` before any collective.
 
     Under pipeline parallelism a rank builds only its stages: ``embed`` on stage 0,
@@ -218,7 +236,10 @@ class Llama(CachedDecoding, HFConvertible, StagedTransformer):
                  init_std: float = 0.02, dropout: float = 0.0, checkpoint=False, moe=None):
         super().__init__()
         self.arch_args = constructor_args(locals())  # for save_hf
-        moe = check_moe(moe, layers, current_context().axis(ParallelMode.EXPERT).size)
+        ctx = current_context()
+        tensor_1d = ctx.axis(ParallelMode.TENSOR).size if ctx.tensor_mode == '1d' else 1
+        moe = check_moe(moe, layers, ctx.axis(ParallelMode.EXPERT).size, tensor_1d,
+                        intermediate)
         self.moe = moe
         kv_heads = heads if kv_heads is None else kv_heads
         if intermediate is None:

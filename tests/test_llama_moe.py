@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import colossal_lite as clt
-from colossal_lite import cli
+from colossal_lite import checkpoint, cli
+from colossal_lite.checkpoint import state as checkpoint_state
 from colossal_lite.amp import TorchAmp
 from colossal_lite.config import ConfigError
 from colossal_lite.engine import Engine
@@ -158,6 +159,10 @@ def test_every_block_or_all_but_the_first_dense_become_moe():
     (dict(experts=4), "'model.moe.top_k' is required"),
     (dict(experts=4, top_k=1, first_dense=3), "'model.moe.first_dense' must be an integer"),
     (dict(experts=4, top_k=1, topk=2), "unknown 'model.moe' keys ['topk']"),
+    (dict(experts=4, top_k=1, expert_tensor_parallel=True),
+     "'model.moe.expert_tensor_parallel' = True needs 1D tensor parallelism"),
+    (dict(experts=4, top_k=1, expert_tensor_parallel='yes'),
+     "'model.moe.expert_tensor_parallel' must be None, True or False, got 'yes'"),
 ])
 def test_bad_moe_options_name_the_key(moe, message):
     with pytest.raises(ConfigError) as info:
@@ -194,6 +199,20 @@ def test_cli_refuses_bad_moe_before_any_process_starts(tmp_path, moe, message):
     with pytest.raises(ConfigError) as info:
         cli.check_job(str(path), 4, None)
     assert message in str(info.value)
+
+
+def test_cli_refuses_an_expert_width_the_tensor_group_cannot_cut(tmp_path):
+    path = tmp_path / 'job.py'
+    path.write_text("imports = ['model_zoo']\n"
+                    "parallel = dict(expert=2, tensor=dict(size=2, mode='1d'))\n"
+                    "model = dict(type='llama', preset='tiny', "
+                    "moe=dict(experts=4, top_k=1, ffn_hidden=33))\n"
+                    "data = dict(type='shakespeare', seq_len=16)\n"
+                    "train = dict(global_batch_size=8)\n")
+    with pytest.raises(ConfigError) as info:
+        cli.check_job(str(path), 8, None)
+    assert ("the expert width ('model.moe.ffn_hidden', else 'model.intermediate') = 33 must "
+            "be divisible by 'parallel.tensor.size' = 2") in str(info.value)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -260,6 +279,8 @@ LAYOUTS = {  # id: (world, config, model options)
     'data4-expert2': (4, _config(dict(expert=2)), ()),
     'data4-expert4': (4, _config(dict(expert=4)), ()),
     'expert2-tp2': (4, _config(dict(expert=2, tensor=dict(size=2, mode='1d'))), ()),
+    'expert2-tp2-whole-experts': (4, _config(dict(expert=2, tensor=dict(size=2, mode='1d'))),
+                                  (('expert_tensor_parallel', False),)),
     'expert2-pp2': (4, _config(dict(expert=2, pipeline=2), num_microbatches=2),
                     (('layers', 4),)),
     'expert2-zero3': (2, _config(dict(expert=2), zero=dict(stage=3)), ()),
@@ -269,8 +290,14 @@ LAYOUTS = {  # id: (world, config, model options)
 
 @pytest.mark.parametrize('layout', list(LAYOUTS))
 def test_llama_moe_equals_serial(serial, layout):
-    world, config, model_kw = LAYOUTS[layout]
-    traces = run_distributed(_trace, world, config, MOE, model_kw, timeout=TIMEOUT)
+    """Each layout's 3 AdamW steps equal serial. expert2-tp2 cuts each expert's width over
+    the tensor pair (expert tensor parallelism, the default under 1D); -whole-experts keeps
+    them whole (``expert_tensor_parallel=False``: replicated over the pair)."""
+    world, config, options = LAYOUTS[layout]
+    moe_kw = tuple(kv for kv in options if kv[0] == 'expert_tensor_parallel')
+    model_kw = tuple(kv for kv in options if kv not in moe_kw)
+    traces = run_distributed(_trace, world, config, dict(MOE, **dict(moe_kw)), model_kw,
+                             timeout=TIMEOUT)
     assert_matches_serial(traces, serial[model_kw, config.get('num_microbatches', 1)])
 
 
@@ -336,3 +363,64 @@ def test_mixtral_plays_config_trains_and_logs_tokens_per_expert(tmp_path):
     steps = [r for r in records if 'loss' in r]
     assert len(steps) == 6 and all(r['expert_tokens_mean'] == 1024 and r['moe_aux_loss'] > 0
                                    for r in steps)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _moe_engine():
+    case = _case()
+    torch.manual_seed(0)
+    model = case.build(moe=dict(MOE))
+    engine, *_ = clt.initialize(model, _optimizer(model.parameters()), case.criterion())
+    return engine
+
+
+def _full_state(engine) -> dict:
+    return {k: v.detach().cpu().clone()
+            for k, v in checkpoint_state.tensor_state(engine).items()}
+
+
+def _train_save(rank, path):
+    engine = _moe_engine()
+    for _ in range(2):
+        _step(engine, replica_batch(_case().batch))
+    checkpoint.save(path, engine)
+    return _full_state(engine)
+
+
+def _load_save(rank, path, again):
+    engine = _moe_engine()
+    checkpoint.load(path, engine)
+    if again:
+        checkpoint.save(again, engine)
+    return _full_state(engine), tuple(engine.model.blocks['0'].mlp.experts.gate.shape)
+
+
+def _merged(states):
+    out = {}
+    for state in states:
+        for key, value in state.items():
+            assert key not in out or torch.equal(out[key], value), f'ranks disagree on {key}'
+            out[key] = value
+    return out
+
+
+def test_checkpoints_reshard_across_expert_layouts(tmp_path):
+    """2 AdamW steps at E=4 (data 4), saved; loaded at E=2 x 1D t=2 (each rank holding 2
+    experts cut in width: [2, 64, 64]) and saved again; loaded serially: weights, moments
+    and balancing biases bit-equal to what E=4 saved, at every hop (DCP reshards the
+    expert and tensor cuts)."""
+    first, second = str(tmp_path / 'e4'), str(tmp_path / 'e2t2')
+    saved = _merged(run_distributed(_train_save, 4, _config(dict(expert=4)), first,
+                                    timeout=TIMEOUT))
+    assert any('experts.gate' in k and k.endswith('exp_avg_sq') for k in saved)
+    assert any(k.endswith('balance.bias') for k in saved)
+    hops = [run_distributed(_load_save, 4, _config(dict(expert=2, tensor=dict(size=2, mode='1d'))),
+                            first, second, timeout=TIMEOUT),
+            run_distributed(_load_save, 1, _config({}), second, None, timeout=TIMEOUT)]
+    assert {shape for _, shape in hops[0]} == {(2, 64, 64)}
+    assert {shape for _, shape in hops[1]} == {(4, 64, 128)}
+    for results in hops:
+        loaded = _merged(state for state, _ in results)
+        assert set(loaded) == set(saved), set(loaded) ^ set(saved)
+        for key, value in saved.items():
+            assert torch.equal(loaded[key].to(value.dtype), value), key

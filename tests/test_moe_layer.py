@@ -466,3 +466,46 @@ def test_expert_parallel_rank_without_tokens():
                 grad = res['grads'][name]
                 assert grad is not None
                 assert (torch.count_nonzero(grad) == 0) == (res['expert_rank'] == 3)
+
+
+# ------------------------------------------------------------------ expert tensor parallel
+def _expert_tensor_run(rank):
+    """MoE(h 16, f 32, 4 experts, top-2) under expert 2 x 1D t=2, experts cut over the
+    tensor pair (default) and kept whole: local expert shapes, this rank's TENSOR
+    all-reduce bytes in one forward + backward, the global tokens per expert, the output."""
+    out = {}
+    for etp in (None, False):
+        torch.manual_seed(SEED)
+        moe = MoE(16, 32, 4, 2, expert_tensor_parallel=etp)
+        data = gpc.axis(PM.DATA)
+        x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(data.rank),
+                        requires_grad=True)
+        with comm_profile() as stats:
+            y = moe(x)
+            y.square().sum().backward()
+        out[etp] = dict(gate=tuple(moe.experts.gate.shape), down=tuple(moe.experts.down.shape),
+                        tensor_bytes=stats.bytes(PM.TENSOR, 'all_reduce'),
+                        expert_rank=moe.expert_axis.rank, tokens=moe.last_tokens_per_expert,
+                        y=y.detach())
+    return out
+
+
+def test_expert_tensor_parallel_cuts_the_width_and_all_reduces_the_rows():
+    """Under 1D t=2 each expert's width is cut over the tensor pair (gate/up [2, 16, 16],
+    down [2, 16, 16] per rank at E=2) and the rows the rank's experts process are
+    all-reduced over TENSOR once forward and once backward: 2 x 4 x h x rows bytes, rows
+    being the global tokens routed to its 2 experts. ``expert_tensor_parallel=False``
+    keeps the experts whole ([2, 16, 32]) and communicates nothing over TENSOR; both give
+    the same output. (Equality with the serial Llama: test_llama_moe.py, expert2-tp2.)"""
+    results = run_distributed(_expert_tensor_run, 4,
+                              dict(parallel=dict(expert=2, tensor=dict(size=2, mode='1d'))),
+                              timeout=TIMEOUT)
+    for r in results:
+        cut, whole = r[None], r[False]
+        assert (cut['gate'], cut['down']) == ((2, 16, 16), (2, 16, 16))
+        assert (whole['gate'], whole['down']) == ((2, 16, 32), (2, 32, 16))
+        local = slice(2 * cut['expert_rank'], 2 * cut['expert_rank'] + 2)
+        rows = int(cut['tokens'][local].sum())
+        assert rows > 0 and cut['tensor_bytes'] == 2 * 4 * 16 * rows
+        assert whole['tensor_bytes'] == 0
+        assert max_rel_diff(cut['y'], whole['y']) <= TOL

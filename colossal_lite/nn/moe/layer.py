@@ -22,7 +22,8 @@ Per forward, with ``N`` local tokens and E expert ranks:
 Parameters: ``router.weight [experts, h]`` and the shared experts are dense (replicated,
 gradient summed over DATA); ``experts.gate``, ``experts.up`` ``[experts, h, f]`` and
 ``experts.down [experts, f, h]`` are cut along dim 0 over EXPERT (gradient summed over
-EXPERT_DATA). Buffer ``router.balance.bias [experts]`` (with ``bias_update_rate > 0``).
+EXPERT_DATA) and, under 1D tensor parallelism (expert tensor parallelism, on by default
+there as in Megatron), along f over TENSOR (``experts.py``). Buffer ``router.balance.bias [experts]`` (with ``bias_update_rate > 0``).
 """
 from __future__ import annotations
 
@@ -55,6 +56,23 @@ def token_axis() -> ProcessGroupAxis:
 def _sequence_ranks() -> int:
     ctx = current_context()
     return ctx.axis(ParallelMode.SEQUENCE).size if family(ctx.tensor_mode).splits_sequence else 1
+
+
+def expert_tensor_axis(enabled: Optional[bool]) -> Optional[ProcessGroupAxis]:
+    """The TENSOR group the experts' width is cut over: the launched 1D group unless
+    ``enabled`` is False (``None``: on under 1D, as Megatron's expert tensor parallel size
+    defaults to the tensor-parallel size); None without 1D tensor parallelism."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f'MoE expert_tensor_parallel must be None, True or False, got '
+                         f'{enabled!r}')
+    ctx = current_context()
+    layout = ctx.layout
+    one_d = layout is not None and layout.mode == '1d' and ctx.axis(ParallelMode.TENSOR).size > 1
+    if enabled and not one_d:
+        mode = None if layout is None else layout.mode
+        raise ValueError(f'MoE expert_tensor_parallel=True needs 1D tensor parallelism '
+                         f"(tensor=dict(mode='1d', size>1)); the tensor mode is {mode!r}")
+    return ctx.axis(ParallelMode.TENSOR) if one_d and enabled is not False else None
 
 
 def _check_layout(capacity_factor):
@@ -96,6 +114,8 @@ class MoE(nn.Module):
     ``ffn_hidden``), gated when ``shared_gate``. ``weight_init(tensor, generator)`` for every
     weight (default: U(+-1/sqrt(fan_in))). ``expert_axis`` (default EXPERT of the launched
     layout) and ``stats_axis`` (default :func:`token_axis`) are ProcessGroupAxis.
+    ``expert_tensor_parallel`` (:func:`expert_tensor_axis`): each expert's width cut over
+    the 1D TENSOR group.
 
     After each training forward: ``last_tokens_per_expert`` (int64 ``[experts]``: slots
     routed per expert, before drops, summed over ``stats_axis``; local counts in eval),
@@ -110,7 +130,8 @@ class MoE(nn.Module):
                  shared_experts: int = 0, shared_ffn_hidden: Optional[int] = None,
                  shared_gate: bool = False, weight_init: Optional[Init] = None,
                  expert_axis: Optional[ProcessGroupAxis] = None,
-                 stats_axis: Optional[ProcessGroupAxis] = None):
+                 stats_axis: Optional[ProcessGroupAxis] = None,
+                 expert_tensor_parallel: Optional[bool] = None):
         super().__init__()
         if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(
                 capacity_factor, numbers.Real) or not capacity_factor > 0):
@@ -132,7 +153,8 @@ class MoE(nn.Module):
         self._sequence_ranks = _sequence_ranks()
         self.router = TopKRouter(hidden, experts, top_k, score, renormalize,
                                  bias_balancing=bias_update_rate > 0, weight_init=weight_init)
-        self.experts = GroupedExperts(hidden, ffn_hidden, experts, self.expert_axis, weight_init)
+        self.experts = GroupedExperts(hidden, ffn_hidden, experts, self.expert_axis, weight_init,
+                                      expert_tensor_axis(expert_tensor_parallel))
         self.shared_expert = (SharedExperts(hidden, shared_experts * (shared_ffn_hidden or
                                                                       ffn_hidden), weight_init)
                               if shared_experts else None)
@@ -243,6 +265,7 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         return (f'experts={self.num_experts}, top_k={self.top_k}, '
                 f'score={self.router.score!r}, E={self.expert_axis.size}, '
+                f'expert_tensor={getattr(self.experts.tensor_axis, "size", 1)}, '
                 f'capacity_factor={self.capacity_factor}')
 
 
