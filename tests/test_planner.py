@@ -337,16 +337,20 @@ def test_layouts_are_exactly_those_train_accepts():
     for p in divisors(8):
         for t in divisors(8 // p):
             for mode, depth in tensor_options(t):
-                layout = ParallelLayout(p, t, mode, depth, 8 // p // t)
-                try:
-                    check_layout(spec, layout, PipelineSettings(size=p))
-                except ConfigError:
-                    continue
-                accepted.add(layout)
+                for ring in divisors(t) if mode == 'ulysses' else (1,):
+                    layout = ParallelLayout(p, t, mode, depth, 8 // p // t, ring=ring)
+                    try:
+                        check_layout(spec, layout, PipelineSettings(size=p))
+                    except ConfigError:
+                        continue
+                    if mode != 'ulysses' or ring < t:  # R = t: the ring alone ('sequence')
+                        accepted.add(layout)
     seen = set(layouts(shape, 8, 16))
     assert seen == accepted
     assert {(l.mode, l.tensor) for l in seen} >= {(None, 1), ('1d', 4), ('2d', 4), ('3d', 8),
-                                                   ('2.5d', 8), ('sequence', 8)}
+                                                   ('2.5d', 8), ('sequence', 8), ('ulysses', 8)}
+    # 4 heads: Ulysses over U = 8 cannot split them; the hybrids R = 2 (U = 4), R = 4 (U = 2) can
+    assert {l.ring for l in seen if l.mode == 'ulysses' and l.tensor == 8} == {2, 4}
 
 
 # ---------------------------------------------------------------------------- output

@@ -61,6 +61,7 @@ TENSOR_MODES = {
     '2.5d': '2.5D tensor parallelism (SUMMA over depth-stacked grids)',
     '3d': '3D tensor parallelism (cube matmuls)',
     'sequence': 'sequence (ring attention) parallelism',
+    'ulysses': 'Ulysses sequence parallelism (all_to_all around attention)',
 }
 
 

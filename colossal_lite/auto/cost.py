@@ -65,7 +65,7 @@ from ..zero.chunk.search import search_chunk_size
 from .cluster import ClusterProfile
 from .memory import (DP_BUCKET_BYTES, RNG_STATE_BYTES, ZERO_BUCKET_BYTES, block_kept,
                      mlp_gradient_bytes, rank_memory)
-from .model_spec import ModelShape, kv_replicated, layer_params, tensor_numels
+from .model_spec import ModelShape, kv_replicated, layer_params, splits_sequence, tensor_numels
 from .profile import family_block_seconds, family_entry, family_forward_share, family_rest_seconds
 
 OVERLAP_SLOWDOWN = 1.3
@@ -75,8 +75,10 @@ OVERLAP_SLOWDOWN = 1.3
 MODEL_DATA_BYTES = {0: (16, 0), 1: (4, 16), 2: (4, 16), 3: (0, 16)}
 # (op, calls per block) of each family's tensor-parallel traffic (calls: latency terms) for
 # GPT's block: 4 matmul calls and 2 norms (``tensor_calls`` scales them to other blocks)
+# Ulysses: 3 all_to_alls forward (q, the stacked k and v, the output) and 3 backward over
+# its U ranks; its ring (R > 1) as the sequence ring's 6 over R (``ulysses_time``)
 TENSOR_OPS = {'1d': ('all_reduce', 6), '2d': ('broadcast', 30), '2.5d': ('broadcast', 30),
-              '3d': ('all_gather', 60), 'sequence': ('p2p', 6)}
+              '3d': ('all_gather', 60), 'sequence': ('p2p', 6), 'ulysses': ('all_to_all', 6)}
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ class Candidate:
         mode = l.mode or 'none'
         if l.mode == '2.5d':
             mode += f' d={l.depth}'
+        if l.mode == 'ulysses' and l.ring > 1:
+            mode += f' R={l.ring}'
         parts = [f'D={l.data}', f'P={l.pipeline}', f't={l.tensor}({mode})',
                  f'M={self.microbatches}']
         if l.pipeline > 1:
@@ -206,7 +210,8 @@ def block_memory(shape: ModelShape, layout, micro: float, checkpoint: bool, elem
 @lru_cache(maxsize=65536)
 def block_comm_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
     """``shape.block_comm_bytes`` of one block and micro-batch of ``micro`` samples."""
-    return shape.block_comm_bytes(layout.mode, layout.tensor, micro, layout.depth, elem)
+    ring = layout.ring_size if layout.mode == 'ulysses' else 1
+    return shape.block_comm_bytes(layout.mode, layout.tensor, micro, layout.depth, elem, ring)
 
 
 def tensor_calls(shape: ModelShape, layout) -> float:
@@ -218,6 +223,8 @@ def tensor_calls(shape: ModelShape, layout) -> float:
     _, calls = TENSOR_OPS[layout.mode]
     if layout.mode == 'sequence':   # the ring's exchanges: as many whatever the matmuls
         return calls
+    if layout.mode == 'ulysses':    # the all_to_alls, and the ring's exchanges when R > 1
+        return calls * (2 if layout.ring_size > 1 else 1)
     units = len(shape.block_calls) + 2
     extra = (2 + 2 * shape.qkv_bias) if kv_replicated(layout.mode, layout.tensor,
                                                        shape.kv_heads) else 0
@@ -236,6 +243,30 @@ def _tensor_time(cluster: ClusterProfile, layout, nbytes: float, calls: float) -
     size = max(size, 2)
     alpha, _ = cluster.alpha_beta(op, size, cluster.placement(t // size, size))
     return (calls - 1) * alpha + cluster.group_time(op, nbytes, t // size, size)
+
+
+def ulysses_time(cluster: ClusterProfile, shape: ModelShape, layout, micro: float,
+                 nbytes: Optional[float] = None) -> float:
+    """Seconds of one block's Ulysses traffic, forward + backward, on ``micro`` samples
+    (``ModelShape.ulysses_comm_bytes``): the all_to_alls over the U consecutive ranks of
+    ULYSSES, 6 calls (q, the stacked k and v, the output; forward and backward), ``6 α +
+    β · bytes`` at the all_to_all's α-β over U; with R > 1 the ring's sends over the R ranks
+    of SEQUENCE_RING (U apart), 6 calls of p2p as the sequence ring's, ``6 α + β · bytes``.
+    ``nbytes`` (the block's ``block_comm_bytes``, another element size) rescales both."""
+    ring = layout.ring_size
+    u = layout.tensor // ring
+    a2a, ring_bytes = shape.ulysses_comm_bytes(layout.tensor, ring, micro)
+    if nbytes is not None and a2a + ring_bytes > 0:
+        scale = nbytes / (a2a + ring_bytes)
+        a2a, ring_bytes = a2a * scale, ring_bytes * scale
+    out = 0.0
+    if a2a > 0:
+        alpha, _ = cluster.alpha_beta('all_to_all', u, cluster.placement(1, u))
+        out += 5 * alpha + cluster.group_time('all_to_all', a2a, 1, u)
+    if ring_bytes > 0:
+        alpha, _ = cluster.alpha_beta('p2p', ring, cluster.placement(u, ring))
+        out += 5 * alpha + cluster.group_time('p2p', ring_bytes, u, ring)
+    return out
 
 
 def oversubscription(cluster: ClusterProfile) -> float:
@@ -285,6 +316,9 @@ def block_time(shape: ModelShape, cluster: ClusterProfile, layout, tokens: float
         return forward, whole - forward, 0.0
     overhead = float(cluster.compute.get('block_overhead_s', 0.0))
     forward = flops / t / cluster.flops + overhead / 3
+    if layout.mode == 'ulysses':   # two collectives over two groups (all_to_all, ring)
+        return forward, 2 * forward, ulysses_time(cluster, shape, layout, tokens / shape.seq,
+                                                  comm_bytes)
     return forward, 2 * forward, _tensor_time(cluster, layout, comm_bytes,
                                               tensor_calls(shape, layout))
 
@@ -390,7 +424,7 @@ def sync_skew_time(cluster: ClusterProfile, layout, zero: int, stages: int,
     skew = float(cluster.compute.get('sync_skew_s', 0.0))
     if not skew:
         return 0.0
-    group = layout.data * (layout.tensor if layout.mode == 'sequence' else 1)
+    group = layout.data * (layout.tensor if splits_sequence(layout.mode) else 1)
     points = 2 * (stages - 1) + (microbatches - 1 if stages > 1 else 0)
     if group > 1 and zero in (0, 1, 2):  # unless timed in a step (``data_sync_time``)
         ops = ('reduce_scatter', 'all_gather') if zero else ('all_reduce',)
@@ -477,7 +511,7 @@ def _gradient_sync(cluster: ClusterProfile, layout, cand: Candidate, params: flo
     compute to hide behind)."""
     d, t = layout.data, layout.tensor
     stride, size = t, d
-    if layout.mode == 'sequence':
+    if splits_sequence(layout.mode):
         stride, size = 1, d * t
     if size == 1:
         return 0.0

@@ -68,7 +68,7 @@ from functools import lru_cache
 from typing import Tuple
 
 from ..config.schedules import SCHEDULES, w_waiting
-from .model_spec import ModelShape, kv_replicated
+from .model_spec import ModelShape, kv_replicated, splits_sequence
 
 DP_BUCKET_BYTES = 25 * 2 ** 20       # engine.gradient_handler.DEFAULT_BUCKET_BYTES
 ZERO_BUCKET_BYTES = 25 * 2 ** 20     # the ZeRO-1/2 reducer's default bucket
@@ -116,9 +116,10 @@ def states_bytes(params: float, zero: int, data: int, elem: int = 4) -> float:
 
 def causal_mask_bytes(shape: ModelShape, layout, elem: int = 4) -> float:
     """The causal mask ``s^2`` each block's attention builds and saves, where
-    ``traits.causal_mask`` (batch-independent; sequence mode masks per ring step instead)."""
-    return (elem * shape.seq ** 2 if shape.traits.causal_mask and layout.mode != 'sequence'
-            else 0.0)
+    ``traits.causal_mask`` (batch-independent; sequence mode masks per ring step instead,
+    Ulysses runs SDPA's ``is_causal`` on its whole sequence or the ring's steps)."""
+    return (elem * shape.seq ** 2 if shape.traits.causal_mask
+            and not splits_sequence(layout.mode) else 0.0)
 
 
 def qkv_copy_bytes(shape: ModelShape, layout, elem: int = 4) -> float:
@@ -146,7 +147,7 @@ def rotary_bytes(shape: ModelShape, layout, elem: int = 4) -> Tuple[float, float
     sequence mode) where ``traits.rotary``, else zeros."""
     if not shape.traits.rotary:
         return 0.0, 0.0
-    rows = shape.seq / (layout.tensor if layout.mode == 'sequence' else 1)
+    rows = shape.seq / (layout.tensor if splits_sequence(layout.mode) else 1)
     return 4 * shape.head_dim // 2, elem * 2 * rows * shape.head_dim
 
 
@@ -156,7 +157,8 @@ def block_kept(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
     t = layout.tensor if layout.mode else 1
     grid = layout.tensor_grid if layout.mode in ('2d', '2.5d', '3d') else 1
     tokens = micro * shape.seq
-    return (tokens * shape.block_values_per_token(layout.mode, t, grid) * elem
+    ring = layout.ring_size if layout.mode == 'ulysses' else 1
+    return (tokens * shape.block_values_per_token(layout.mode, t, grid, ring) * elem
             + causal_mask_bytes(shape, layout, elem))
 
 
@@ -168,11 +170,12 @@ def head_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
     input, normalized values, output and statistic, ``3h + 1``), the head
     transform, and under 2D/2.5D the classifier's SUMMA backward blocks (module doc)."""
     t = layout.tensor if layout.mode else 1
-    t_v = t if layout.mode not in (None, 'sequence') else 1
-    seq_split = t if layout.mode == 'sequence' else 1
+    seq = splits_sequence(layout.mode)
+    t_v = t if layout.mode is not None and not seq else 1
+    seq_split = t if seq else 1
     tokens = micro * shape.seq / seq_split
     head_tokens = micro * (shape.seq / seq_split if shape.traits.head_per_token else 1)
-    ln_split = 1 if layout.mode in (None, '1d', 'sequence') else t
+    ln_split = 1 if layout.mode in (None, '1d') or seq else t
     per_token = 3 * shape.hidden + 1 if shape.traits.rms_norm else 2 * shape.hidden + 2
     if shape.traits.head_transform:  # dense and GELU outputs, LayerNorm output and
         per_token += 3 * shape.hidden + 2   # statistics (its input is the GELU output)
@@ -232,8 +235,9 @@ def w_stash_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> flo
     fc2 (h), which W multiplies by the saved inputs (the column-split ones /t: 1D, 2D, ...;
     sequence mode: n is this rank's share)."""
     t = layout.tensor if layout.mode else 1
-    split = t if layout.mode not in (None, 'sequence') else 1
-    tokens = micro * shape.seq / (t if layout.mode == 'sequence' else 1)
+    seq = splits_sequence(layout.mode)
+    split = t if layout.mode is not None and not seq else 1
+    tokens = micro * shape.seq / (t if seq else 1)
     h, f = shape.hidden, shape.ffn
     kv = shape.local_kv_width(layout.mode, split) * split
     row_out = h / (split if layout.mode in ('2d', '2.5d', '3d') else 1)
@@ -261,8 +265,9 @@ def boundary_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> fl
 def output_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -> float:
     """One micro-batch's logits, as the schedule keeps them for its return value."""
     t = layout.tensor if layout.mode else 1
-    t_v = t if layout.mode not in (None, 'sequence') else 1
-    seq_split = t if layout.mode == 'sequence' else 1
+    seq = splits_sequence(layout.mode)
+    t_v = t if layout.mode is not None and not seq else 1
+    seq_split = t if seq else 1
     head_tokens = micro * (shape.seq / seq_split if shape.traits.head_per_token else 1)
     return elem * head_tokens * shape.outputs / t_v
 
@@ -310,7 +315,7 @@ def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: 
     # the schedule keeps each micro-batch's logits for its return value; a pipeline's last
     # stage computes the loss in place and keeps only the scalar
     out = logits if last and layout.pipeline == 1 else 0.0
-    reducers = d * layout.tensor if layout.mode == 'sequence' else d
+    reducers = d * layout.tensor if splits_sequence(layout.mode) else d
     if zero == 2 and reducers > 1:
         shard = grads / d
         gradients_a = shard if m > 1 else 0.0

@@ -240,7 +240,7 @@ class ModelShape:
         return (3 * h + 1 if rms else 2 * h + 2) / t
 
     def block_values_per_token(self, mode: Optional[str] = None, tensor: int = 1,
-                               grid: int = 1) -> float:
+                               grid: int = 1, ring: int = 1) -> float:
         """Saved values per token of a block on one of ``tensor`` ranks of family ``mode``
         (``grid``: the 2D/2.5D/3D grid side q), counted with ``saved_tensors_hooks`` on real
         blocks (tests: GPT and BERT in every family, Llama serial, 1D and 2D). Serially:
@@ -251,14 +251,23 @@ class ModelShape:
         ``4 i`` (gate, SiLU, up outputs and their product). GPT: ``(8 + 2r) h + 4 + a``.
         On a rank everything but the norms is ``/ t`` (none: t = 1), the k/v terms of the local
         kv width: ``d`` per rank where 1D replicates the kv heads (t > n_kv); the sequence
-        ring (online softmax) saves q, k, v, the output and the log-sum-exp, as serial."""
+        ring (online softmax) saves q, k, v, the output and the log-sum-exp, as serial.
+        Ulysses (``ring`` = R, U = t / R): attention saves the all_to_all outputs q
+        ``h`` and the stacked k, v ``2 n' d`` (n' = :func:`ulysses_kv_heads`), its output
+        ``h`` and log-sum-exp ``a`` and, after the all_to_all back, the o projection's
+        input ``h``, all ``/ t`` -- neither the fused q/k/v output nor the rotated q, k
+        (no op keeps them); ``(3h + 2 n' d + a) / t``."""
         h, a, f = self.hidden, self.heads, self.ffn
         t = tensor if mode else 1
+        mlp = 2 * self.mlp_inputs * f / t
+        norms = 2 * self.norm_values_per_token(mode, tensor, grid)
+        if mode == 'ulysses':
+            kv_heads = ulysses_kv_heads(self.kv_heads, tensor // ring)
+            return norms + (3 * h + 2 * kv_heads * self.head_dim + a) / t + mlp
         kv = self.local_kv_width(mode, tensor) if mode else self.kv_dim
         rotary = h / t + kv if self.traits.rotary else 0.0
         attention = 2 * h / t + 2 * kv + rotary + a / t
-        mlp = 2 * self.mlp_inputs * f / t
-        return 2 * self.norm_values_per_token(mode, tensor, grid) + attention + mlp
+        return norms + attention + mlp
 
     def local_kv_width(self, mode: Optional[str], tensor: int) -> float:
         """The k (or v) projection's output width on a rank: ``n_kv d / t``, or ``d`` where
@@ -269,7 +278,7 @@ class ModelShape:
         return self.kv_dim / (tensor if mode else 1)
 
     def block_comm_bytes(self, mode: Optional[str], p: int, b: float, depth: int = 1,
-                         elem: int = 4) -> float:
+                         elem: int = 4, ring: int = 1) -> float:
         """``formulas.block_bytes`` generalized to this block (:attr:`block_calls`): one block
         forward + backward on ``b`` sequences (n = b s tokens), buffer bytes per rank over
         the tensor group(s); GPT's block gives ``formulas.block_bytes`` exactly (a test):
@@ -284,6 +293,8 @@ class ModelShape:
         * 3D (p = q^3): ``formulas.linear_3d_bytes`` per call, per LayerNorm
           ``4 n/q^2 + 2h/q``, per RMSNorm half;
         * sequence: ``formulas.ring_attention_bytes`` of the k/v width;
+        * ulysses (``ring`` = R, U = p / R): :meth:`ulysses_comm_bytes` summed (the
+          all_to_alls over U, the ring over R);
         * None (or p == 1): 0."""
         if mode is None or p == 1:
             return 0
@@ -297,6 +308,8 @@ class ModelShape:
             return out
         if mode == 'sequence':
             return formulas.ring_attention_bytes(p, b, s, self.kv_dim, elem)
+        if mode == 'ulysses':
+            return sum(self.ulysses_comm_bytes(p, ring, b, elem))
         if mode in ('2d', '2.5d'):
             q = round((p // depth) ** 0.5)
             deep = 1 if depth > 1 else 0
@@ -312,6 +325,37 @@ class ModelShape:
         raise ValueError(f'unknown tensor mode {mode!r}')
 
 
+    def ulysses_comm_bytes(self, p: int, ring: int, b: float, elem: int = 4
+                           ) -> Tuple[float, float]:
+        """One block's Ulysses attention, forward + backward on ``b`` sequences over P = R x U
+        ranks (``ring`` = R): (all_to_all buffer bytes per rank over the U ranks of ULYSSES,
+        ``formulas.ulysses_attention_bytes`` = ``2 b (s/P) (2 n + 2 n') d elem``: q, the
+        stacked k and v, the output, each forward and backward; bytes each rank sends over
+        the R ranks of SEQUENCE_RING, ``formulas.ring_attention_bytes(R, b, s, n' d / U)``,
+        0 when R = 1). n' = :func:`ulysses_kv_heads`."""
+        u = p // ring
+        a2a = formulas.ulysses_attention_bytes(p, u, b, self.seq, self.heads, self.kv_heads,
+                                               self.head_dim, elem)
+        width = ulysses_kv_heads(self.kv_heads, u) // u * self.head_dim
+        ring_bytes = (formulas.ring_attention_bytes(ring, b, self.seq, width, elem)
+                      if ring > 1 else 0)
+        return a2a, ring_bytes
+
+
+def splits_sequence(mode: Optional[str]) -> bool:
+    """Whether tensor mode ``mode`` keeps every weight whole and splits the activations along
+    the sequence over its t ranks ('sequence', 'ulysses': ``TensorFamily.splits_sequence``),
+    its parameter gradients summed over data x tensor."""
+    return mode is not None and family(mode).splits_sequence
+
+
+def ulysses_kv_heads(kv_heads: int, ulysses: int) -> int:
+    """n': the kv heads Ulysses' all_to_all moves, n_kv where U divides it, else U (fewer
+    kv heads than Ulysses ranks are each repeated U / n_kv times first,
+    ``nn/sequence/ulysses.py``)."""
+    return kv_heads if kv_heads % ulysses == 0 else ulysses
+
+
 def kv_replicated(mode: Optional[str], tensor: int, kv_heads: int) -> bool:
     """Whether the k/v projections are replicated per group of ranks: the family replicates
     heads it cannot split (``TensorFamily.replicates``: 1D) and its head split does not
@@ -320,6 +364,8 @@ def kv_replicated(mode: Optional[str], tensor: int, kv_heads: int) -> bool:
     if mode is None or tensor == 1:
         return False
     fam = family(mode)
+    if fam.splits_sequence:   # Ulysses repeats kv heads in flight; its weights are whole
+        return False
     return 'head' in fam.replicates and kv_heads % tensor != 0
 
 

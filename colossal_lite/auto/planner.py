@@ -69,6 +69,11 @@ class Plan:
                          + _why_offloaded(self.search, e))
         if self.per_layer:
             lines.append(f'  per-layer: {self.per_layer["note"]}')
+        if self.search.skipped:   # the layouts the model's sizes refuse, one per mode
+            lines.append(f"skipped {len(self.search.skipped)} layouts the model's sizes "
+                         f"refuse, e.g.:")
+            lines += [f'  {_layout_name(layout)}: {why}'
+                      for layout, why in _skipped_examples(self.search.skipped)]
         lines.append('runners-up:')
         for est, why in self.runners_up:
             lines.append(f'  {est.candidate.describe():<60} {est.step_time * 1e3:9.2f} ms '
@@ -102,6 +107,8 @@ def plan_config(shape: ModelShape, cand: Candidate, batch: int, partition=None,
         parallel['tensor'] = dict(size=l.tensor, mode=l.mode)
         if l.mode == '2.5d':
             parallel['tensor']['depth'] = l.depth
+        if l.mode == 'ulysses' and l.ring > 1:   # the ring x Ulysses hybrid
+            parallel['tensor']['ring'] = l.ring
     config = dict(parallel=parallel, num_microbatches=cand.microbatches)
     if cand.zero:
         config['zero'] = (dict(stage=cand.zero) if cand.zero < 3
@@ -184,15 +191,35 @@ def _why_offloaded(result: SearchResult, best: Estimate) -> str:
             f'is {(on_device[0].step_time / best.step_time - 1) * 100:.1f}% slower')
 
 
+def _layout_name(layout) -> str:
+    mode = layout.mode or 'none'
+    if layout.mode == '2.5d':
+        mode += f' d={layout.depth}'
+    if layout.mode == 'ulysses' and layout.ring > 1:
+        mode += f' R={layout.ring}'
+    return f'D={layout.data} P={layout.pipeline} t={layout.tensor}({mode})'
+
+
+def _skipped_examples(skipped, count: int = 6):
+    """One skipped layout per tensor mode (the first), at most ``count``."""
+    seen, out = set(), []
+    for layout, why in skipped:
+        if layout.mode not in seen and len(out) < count:
+            seen.add(layout.mode)
+            out.append((layout, why))
+    return out
+
+
 def _runners_up(result: SearchResult, best: Estimate, count: int) -> List[tuple]:
-    seen = {(best.candidate.layout.mode, best.candidate.layout.pipeline,
-             best.candidate.layout.tensor)}
+    def key(l):
+        return (l.mode, l.pipeline, l.tensor, l.ring)
+    seen = {key(best.candidate.layout)}
     out = []
     for est in result.feasible:
         l = est.candidate.layout
-        key = (l.mode, l.pipeline, l.tensor)
-        if key not in seen:
-            seen.add(key)
+        key_ = key(l)
+        if key_ not in seen:
+            seen.add(key_)
             out.append((est, _why(est, best, result.budget)))
         if len(out) >= count:
             break

@@ -2,7 +2,11 @@
 
 1. :func:`layouts` -- every ``ParallelLayout`` with ``data * pipeline * tensor = N`` whose
    tensor family splits the model and the batch (the size rules ``colossal-lite train``
-   checks, ``job._check_rule``), pipeline P <= layers;
+   checks, ``job._check_rule``), pipeline P <= layers; tensor modes 1D, 2D, 2.5D, 3D, the
+   sequence ring and Ulysses (:func:`ring_options`: pure, R = 1, and the ring x Ulysses
+   hybrids 1 < R < t). A layout whose sizes the rules refuse is skipped with the rule's
+   message (:func:`layout_choices`; ``SearchResult.skipped``), e.g. Ulysses where U does
+   not divide the heads;
 2. for each: micro-batch counts M, schedules (1F1B, GPipe, zero bubble, interleaved V=2),
    partitions ('uniform', 'parameters'), ZeRO stages (3 only without pipeline, serial or
    1D tensor: what the chunk engine runs), checkpointing of all blocks or none;
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import colossal_lite.auto.offload as offload
@@ -49,7 +53,7 @@ def tensor_options(t: int) -> List[Tuple[Optional[str], int]]:
     """(mode, depth) of every tensor family that runs on t ranks."""
     if t == 1:
         return [(None, 1)]
-    out = [('1d', 1), ('sequence', 1)]
+    out = [('1d', 1), ('sequence', 1), ('ulysses', 1)]
     if integer_root(t, 2):
         out.append(('2d', 1))
     for dep in divisors(t):
@@ -58,6 +62,15 @@ def tensor_options(t: int) -> List[Tuple[Optional[str], int]]:
     if integer_root(t, 3):
         out.append(('3d', 1))
     return out
+
+
+def ring_options(mode: Optional[str], t: int) -> List[int]:
+    """The ring degrees R of tensor mode ``mode`` on t ranks (``parallel.tensor.ring``):
+    Ulysses every R dividing t with U = t / R >= 2 (R = 1 pure Ulysses, 1 < R < t the
+    ring x Ulysses hybrid; R = t would be the ring alone: mode 'sequence'); 1 otherwise."""
+    if mode != 'ulysses':
+        return [1]
+    return [r for r in divisors(t) if r < t]
 
 
 def job_spec(shape: ModelShape, batch: int):
@@ -72,6 +85,13 @@ def job_spec(shape: ModelShape, batch: int):
 def splits_ok(spec, layout: ParallelLayout) -> bool:
     """The size rules of ``check_layout`` (without its meta build): heads, hidden, vocabulary,
     sequence, image against the tensor family's splits."""
+    return split_error(spec, layout) is None
+
+
+def split_error(spec, layout: ParallelLayout) -> Optional[str]:
+    """The message of the first size rule of ``check_layout`` ``layout`` breaks (heads, kv
+    heads, hidden, vocabulary, sequence, image against the tensor family's splits); None
+    when it keeps them all."""
     fam = family(layout.mode)
     rules = list(spec.entry.size_rules(spec.options))
     if spec.is_text:
@@ -79,13 +99,16 @@ def splits_ok(spec, layout: ParallelLayout) -> bool:
     try:
         for rule in rules:
             check_rule(rule, layout, fam)
-    except ConfigError:
-        return False
-    return True
+    except ConfigError as err:
+        return str(err)
+    return None
 
 
-def layouts(shape: ModelShape, devices: int, batch: int) -> Iterator[ParallelLayout]:
-    """Every layout of ``devices`` ranks the model's sizes allow (module doc, step 1)."""
+def layout_choices(shape: ModelShape, devices: int, batch: int
+                   ) -> Iterator[Tuple[ParallelLayout, Optional[str]]]:
+    """Every layout of ``devices`` ranks with a pipeline no deeper than the layers and a
+    data degree dividing the batch, each with None when the model's sizes allow it, else
+    the size rule's message (why the search skips it)."""
     spec = job_spec(shape, batch)
     for p in divisors(devices):
         if p > shape.layers:
@@ -95,9 +118,16 @@ def layouts(shape: ModelShape, devices: int, batch: int) -> Iterator[ParallelLay
             if batch % d:
                 continue
             for mode, depth in tensor_options(t):
-                layout = ParallelLayout(p, t, mode, depth, d)
-                if splits_ok(spec, layout):
-                    yield layout
+                for ring in ring_options(mode, t):
+                    layout = ParallelLayout(p, t, mode, depth, d, ring=ring)
+                    yield layout, split_error(spec, layout)
+
+
+def layouts(shape: ModelShape, devices: int, batch: int) -> Iterator[ParallelLayout]:
+    """Every layout of ``devices`` ranks the model's sizes allow (module doc, step 1)."""
+    for layout, why in layout_choices(shape, devices, batch):
+        if why is None:
+            yield layout
 
 
 def microbatch_options(layout: ParallelLayout, batch: int, limit: int = 64) -> List[int]:
@@ -138,12 +168,14 @@ def candidate_groups(shape: ModelShape, layout: ParallelLayout, batch: int
 @dataclass
 class SearchResult:
     """The fastest fitting estimate first; ``feasible`` sorted by step time; ``rejected``
-    counts the candidates that do not fit; ``evaluated`` how many were costed."""
+    counts the candidates that do not fit; ``evaluated`` how many were costed; ``skipped``
+    the layouts the model's sizes refuse, each with the size rule's message."""
 
     feasible: List[Estimate]
     infeasible: List[Estimate]
     evaluated: int
     budget: float
+    skipped: List[Tuple[ParallelLayout, str]] = field(default_factory=list)
 
     @property
     def best(self) -> Optional[Estimate]:
@@ -154,9 +186,12 @@ def search(shape: ModelShape, cluster: ClusterProfile, devices: int, batch: int,
            memory_bytes: Optional[float] = None, keep_infeasible: int = 20) -> SearchResult:
     """Cost every candidate of every layout; feasible = peak memory <= budget."""
     budget = cluster.memory_bytes if memory_bytes is None else memory_bytes
-    feasible, infeasible, count = [], [], 0
+    feasible, infeasible, skipped, count = [], [], [], 0
     ranges_cache: Dict[Tuple[int, str], List[range]] = {}
-    for layout in layouts(shape, devices, batch):
+    for layout, why in layout_choices(shape, devices, batch):
+        if why is not None:
+            skipped.append((layout, why))
+            continue
         hosted = offload.offload_only_stages(layout)
         for cand, zeros in candidate_groups(shape, layout, batch):
             key = (cand.stages, cand.partition)
@@ -173,7 +208,7 @@ def search(shape: ModelShape, cluster: ClusterProfile, devices: int, batch: int,
                         (feasible if var.peak_memory <= budget else infeasible).append(var)
     feasible.sort(key=lambda e: (e.step_time, e.peak_memory))
     infeasible.sort(key=lambda e: e.peak_memory)
-    return SearchResult(feasible, infeasible[:keep_infeasible], count, budget)
+    return SearchResult(feasible, infeasible[:keep_infeasible], count, budget, skipped)
 
 
 # ---------------------------------------------------------------------------- per-layer DP

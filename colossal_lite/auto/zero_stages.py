@@ -7,7 +7,8 @@ from typing import Tuple
 
 def runtime_zero_stages(layout) -> Tuple[int, ...]:
     """The ZeRO stages the runtime runs with ``layout`` (0: none): none with sequence
-    parallelism; 3 (chunk ZeRO) only without pipeline, for no tensor mode or 1D."""
-    if layout.mode == 'sequence':
+    parallelism (the ring and Ulysses); 3 (chunk ZeRO) only without pipeline, for no tensor
+    mode or 1D."""
+    if layout.mode in ('sequence', 'ulysses'):
         return (0,)
     return (0, 1, 2, 3) if layout.pipeline == 1 and layout.mode in (None, '1d') else (0, 1, 2)

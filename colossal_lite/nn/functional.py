@@ -140,7 +140,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
               causal: bool = False, key_padding_mask: Optional[torch.Tensor] = None,
               dropout_p: float = 0.0,
               rng: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-              document_ids: Optional[torch.Tensor] = None):
+              document_ids: Optional[torch.Tensor] = None, sdpa_causal: bool = False):
     """softmax(Q K^T / sqrt(d) + mask) V on local tensors q ``[b, s, n*d]``, k and v
     ``[b, s_k, n_kv*d]``; with ``n_kv < n`` (grouped-query attention) query head i reads
     kv head ``i // (n / n_kv)``.
@@ -149,7 +149,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
     ``document_ids`` (packed rows, :func:`document_ids`) is ``[b, s_k]``, the keys'
     documents (the queries are the last ``s`` keys): query i attends to key j only when
     both are in one document. ``rng`` gives the context in which attention dropout draws
-    its mask.
+    its mask. ``sdpa_causal``: plain causal attention (no padding mask, no documents, as many
+    queries as keys) as SDPA's ``is_causal`` rather than an explicit ``s x s`` mask (the same
+    numbers on CPU, without the mask SDPA would save for backward); always so when traced.
     """
     b, s_q, width = q.shape
     s_k = k.shape[1]
@@ -169,7 +171,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
         mask = same if mask is None else mask & same
     # a traced graph (auto/graph) states plain causal attention as is_causal (the same
     # numbers), so the planner's attention rule sees no mask to place
-    is_causal = causal and mask is None and s_q == s_k and torch.compiler.is_compiling()
+    is_causal = causal and mask is None and s_q == s_k and (
+        sdpa_causal or torch.compiler.is_compiling())
     if causal and not is_causal:
         tri = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
         mask = tri if mask is None else mask & tri

@@ -16,7 +16,9 @@ in ring order. ``n' = n_kv`` when U divides n_kv; when n_kv divides U (grouped-q
 attention with fewer kv heads than Ulysses ranks) each kv head is first repeated U/n_kv
 times, so rank u receives the one kv head its query heads read, and the repeat's backward
 sums the copies' gradients. Attention on the block: with R = 1 plain attention over the
-whole sequence (``functional.attention``, SDPA); with R > 1 ring attention (``ring.py``) of
+whole sequence (``functional.attention``, SDPA; plain causal attention -- no padding mask, no
+packed documents -- as SDPA's ``is_causal`` (``sdpa_causal``), which builds and saves no
+``s x s`` mask and gives the same numbers); with R > 1 ring attention (``ring.py``) of
 these heads over SEQUENCE_RING, with its (zigzag) chunks. The output goes back by the
 inverse all_to_all to ``[b, s/P, n*d]``.
 
@@ -77,7 +79,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_di
     k_h, v_h = all_to_all_to(torch.stack([k, v]), ulysses, scatter_dim=3, gather_dim=2)
     if ring.size == 1:
         out = attention(q_h, k_h, v_h, head_dim, causal=causal, key_padding_mask=key_padding_mask,
-                        dropout_p=dropout_p, rng=rng, document_ids=document_ids)
+                        dropout_p=dropout_p, rng=rng, document_ids=document_ids,
+                        sdpa_causal=True)
     else:
         out = ring_attention(q_h, k_h, v_h, head_dim, ring, causal=causal,
                              key_padding_mask=key_padding_mask, dropout_p=dropout_p, rng=rng,
