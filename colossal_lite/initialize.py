@@ -101,6 +101,10 @@ def _initialize_self_synchronizing(settings: Settings, model, optimizer, criteri
     if settings.pipeline.size > 1:
         raise NotImplementedError('parallel.pipeline > 1 with a graph-planned model: the '
                                   'graph planner does not cut stages yet')
+    if settings.amp.mode in ('naive', 'apex'):
+        raise NotImplementedError(f"fp16 mode {settings.amp.mode!r} with a graph-planned model: "
+                                  f"its graph was captured with fp32 weights; use "
+                                  f"fp16=dict(mode='torch') with parallelize(..., autocast=dtype)")
     amp = build_amp(settings.amp.as_dict(), model, optimizer)
     engine = Engine(amp.model, amp.optimizer, criterion, gradient_handler=None, amp=amp,
                     clip_grad_norm=settings.engine.clip_grad_norm,

@@ -27,6 +27,7 @@ import torch
 
 import colossal_lite.run_state as run_state
 
+from .amp.torch_amp import autocast_dtype
 from .auto.graph import parallelize
 from .communication import all_gather, all_reduce, total_stats
 from .config import ConfigError, Settings, load_config
@@ -125,7 +126,7 @@ def train(settings: Settings, spec=None, resume: Optional[str] = None,
     auto = settings.auto
     train_dl, test_dl, _ = build_data(spec, gpc.device, accumulation, replicated=auto is not None)
     if auto is not None:
-        model = _auto_parallel(model, spec, auto, accumulation)
+        model = _auto_parallel(model, spec, auto, accumulation, settings.amp)
     optimizer = build_optimizer(spec, model)
     steps_per_epoch = len(train_dl) // accumulation
     if steps_per_epoch == 0:  # same on every rank, before any collective
@@ -168,15 +169,18 @@ def train(settings: Settings, spec=None, resume: Optional[str] = None,
     return dict(trainer.metrics, losses=list(history.losses), records=list(history.records))
 
 
-def _auto_parallel(model, spec, auto, microbatches: int):
+def _auto_parallel(model, spec, auto, microbatches: int, amp):
     """``parallel.auto``: the graph plan of ``model`` (built alike on every rank) for the
     launched ranks, captured on token ids of one micro-batch's shape ``[B / M, S]`` (every
-    rank reads that whole micro-batch; the plan splits it); rank 0 searches and prints the
-    plan. Returns the :class:`~colossal_lite.auto.graph.AutoParallelModel`."""
+    rank reads that whole micro-batch; the plan splits it) under the autocast of
+    ``fp16=dict(mode='torch')`` when set; rank 0 searches and prints the plan. Returns the
+    :class:`~colossal_lite.auto.graph.AutoParallelModel`."""
     ids = torch.zeros(spec.train.global_batch_size // microbatches, spec.data.seq_len,
                       dtype=torch.long, device=gpc.device)
+    autocast = (autocast_dtype(getattr(torch, amp.dtype), gpc.device.type)
+                if amp.mode == 'torch' else None)
     pmodel, plan = parallelize(model.to(gpc.device), (ids,), mesh=auto.mesh_spec,
-                               memory_gb=auto.memory_gb, level=auto.level)
+                               memory_gb=auto.memory_gb, level=auto.level, autocast=autocast)
     _print0(plan.explain(limit=20))
     return pmodel
 

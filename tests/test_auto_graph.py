@@ -507,3 +507,74 @@ def test_gpt2_megatron_layout_on_the_graph_is_exact_and_bytes_are_predicted():
         assert abs(got - loss.item()) < 1e-5
         for name, p in serial.named_parameters():
             assert max_rel_diff(grads[name], p.grad) < 1e-5, name
+
+
+# ------------------------------------------------------------------ autocast (torch AMP)
+class LossOf(torch.nn.Module):
+    """The serial engine's model: HF Llama returning its own loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = WithLabels(tiny_llama())
+
+    def forward(self, ids):
+        return lm_loss(self.inner(ids), ids)
+
+
+def _engine_run(engine, ids, steps=3):
+    losses = []
+    for _ in range(steps):
+        loss = engine(ids)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _serial_amp(rank, ids):
+    import colossal_lite
+    model = LossOf()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+    engine = colossal_lite.initialize(model, opt, config=dict(fp16=dict(mode='torch')))[0]
+    losses = _engine_run(engine, ids)
+    return losses, {n[len('inner.'):]: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _planned_amp(rank, ids):
+    warnings.simplefilter('ignore')
+    import colossal_lite
+    from colossal_lite.auto import parallelize
+    out = {}
+    for autocast in (torch.bfloat16, None):
+        pmodel, _ = parallelize(WithLabels(tiny_llama()), (ids,), loss_fn=lm_loss, mesh=MESH,
+                                memory_gb=0.0004, autocast=autocast)
+        opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2, eps=1e-3)
+        engine = colossal_lite.initialize(pmodel, opt, config=dict(fp16=dict(mode='torch')))[0]
+        try:
+            losses = _engine_run(engine, ids)
+        except RuntimeError as err:
+            out[autocast] = str(err)
+            continue
+        out[autocast] = (losses, {n: p.full_tensor().detach() for n, p in
+                                  pmodel.named_parameters()}, pmodel.lowered.failure)
+    return out
+
+
+def test_a_plan_captured_under_autocast_trains_as_the_serial_model_under_torch_amp():
+    """fp16=dict(mode='torch') (bf16 autocast on CPU): a model planned with
+    ``autocast=torch.bfloat16`` holds autocast's casts and HF's own fp32 loss upcast (a
+    no-op in an fp32 capture, whose replay under autocast summed the token losses in bf16:
+    first loss 4.1667 against 4.1700). Its 3 lowered steps match the serial engine under the
+    same autocast (losses 2e-4, weights 3e-3: bf16 rounding of sharded matmuls), and a model
+    planned without autocast refuses to run under it, on every rank, naming both."""
+    ids = ids_batch()
+    serial_losses, serial_params = run_distributed(_serial_amp, 1, None, ids)[0]
+    for out in run_distributed(_planned_amp, 4, None, ids, timeout=300):
+        losses, params, lowering_failure = out[torch.bfloat16]
+        assert lowering_failure is None
+        assert abs(losses[0] - serial_losses[0]) <= 2e-5 * serial_losses[0]
+        assert max(abs(a - b) for a, b in zip(losses, serial_losses)) <= 2e-4 * serial_losses[0]
+        assert max(max_rel_diff(params[k], v) for k, v in serial_params.items()) <= 3e-3
+        assert out[None].startswith('this model was planned under no autocast and now runs '
+                                    'under autocast torch.bfloat16')

@@ -17,6 +17,12 @@ from ..context import global_context as gpc
 from .base import FullPrecision, found_inf_anywhere
 
 
+def autocast_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype ``fp16=dict(mode='torch', dtype=...)`` autocasts to on ``device_type``:
+    bfloat16 on the CPU, ``dtype`` elsewhere."""
+    return torch.bfloat16 if device_type == 'cpu' else dtype
+
+
 class TorchAmp(FullPrecision):
     name = 'torch'
 
@@ -26,7 +32,7 @@ class TorchAmp(FullPrecision):
         e.g. to exercise the overflow path on CPU)."""
         super().__init__(model, optimizer)
         self.device_type = gpc.device.type
-        self.dtype = torch.bfloat16 if self.device_type == 'cpu' else dtype
+        self.dtype = autocast_dtype(dtype, self.device_type)
         if use_scaler is None:
             use_scaler = self.device_type == 'cuda' and self.dtype == torch.float16
         self.scaler = None

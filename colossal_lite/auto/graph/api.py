@@ -232,7 +232,8 @@ class AutoParallelModel(nn.Module):
     """The parallel model: ``forward(*inputs)`` returns the (replicated) loss; parameters are
     DTensors with the plan's placements under their serial names."""
 
-    def __init__(self, model: nn.Module, captured: Captured, mesh, plan: Plan):
+    def __init__(self, model: nn.Module, captured: Captured, mesh, plan: Plan,
+                 autocast: Optional[torch.dtype] = None):
         super().__init__()
         # the model's children, parameters and buffers are adopted under their own names,
         # so state_dict() and named_parameters() carry the serial keys
@@ -244,6 +245,7 @@ class AutoParallelModel(nn.Module):
             self.register_buffer(name, buf)
         object.__setattr__(self, 'module', model)
         self.plan = plan
+        self.autocast = autocast      # the autocast dtype the graph was captured under
         self._captured = captured
         self._mesh = mesh
         space_names = {n.name for n in captured.graph.nodes}
@@ -270,6 +272,25 @@ class AutoParallelModel(nn.Module):
         return self._mesh
 
     def forward(self, *inputs):
+        self._check_autocast()
+        with torch.autocast(self._mesh.device_type, enabled=False):  # the graph holds its casts
+            return self._forward(*inputs)
+
+    def _check_autocast(self):
+        """The graph holds the casts of the autocast it was captured under (none without):
+        running it under another would silently change its numbers, so that is an error."""
+        device = self._mesh.device_type
+        active = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        if active != self.autocast:
+            def say(dtype):
+                return 'no autocast' if dtype is None else f'autocast {dtype}'
+            raise RuntimeError(
+                f'this model was planned under {say(self.autocast)} and now runs under '
+                f'{say(active)}: the captured graph holds the casts of the first; plan it with '
+                f'parallelize(..., autocast={active}) (fp16=dict(mode="torch") autocasts '
+                f'to {torch.bfloat16 if device == "cpu" else "fp16.dtype"} on {device})')
+
+    def _forward(self, *inputs):
         params = dict(self.module.named_parameters(remove_duplicate=False))
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
         values = []
@@ -302,12 +323,17 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
                 loss_fn: Optional[Callable] = None, mesh: MeshSpec = None,
                 memory_gb: Optional[float] = None, level: str = 'fast',
                 pins: Optional[Dict[str, Sequence[str]]] = None, plan: Optional[Plan] = None,
-                cluster=None, pipeline=None) -> Tuple[AutoParallelModel, Plan]:
+                cluster=None, pipeline=None,
+                autocast: Optional[torch.dtype] = None) -> Tuple[AutoParallelModel, Plan]:
     """Plan ``model`` for the launched ranks and return ``(parallel_model, plan)``.
 
     Every rank passes the same model (same weights) and the same full ``example_inputs``;
     ``loss_fn(output, *inputs)`` turns the output into the scalar loss (None: the model's
-    output, or its ``.loss``, is the loss). See the module doc."""
+    output, or its ``.loss``, is the loss). ``autocast`` (torch.bfloat16 / torch.float16):
+    capture under ``torch.autocast`` of that dtype, so the graph holds autocast's casts and
+    the model's own (e.g. a loss upcast to fp32, a no-op in an fp32 capture) and is planned
+    with its real dtypes; the model must then run under that autocast
+    (``fp16=dict(mode='torch')``), and without it only without. See the module doc."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     if pipeline not in (None, 1):
@@ -317,11 +343,15 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
     axes = resolve_mesh(plan.mesh if plan is not None and mesh is None else mesh, world)
     if level not in LEVELS:
         raise ValueError(f'level must be one of {LEVELS}, got {level!r}')
-    captured = capture(model, example_inputs, loss_fn)
+    if autocast not in (None, torch.bfloat16, torch.float16):
+        raise ConfigError(f'autocast must be None, torch.bfloat16 or torch.float16, '
+                          f'got {autocast!r}')
     device = 'cuda' if next(model.parameters()).is_cuda else 'cpu'
+    with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        captured = capture(model, example_inputs, loss_fn)
     if plan is None:
         plan = _search_on_rank0(captured, axes, pins, cluster, memory_gb, level, device)
     device_mesh = init_device_mesh(device, tuple(axes.values()), mesh_dim_names=tuple(axes))
     distribute_parameters(model, device_mesh, {k: tuple(placement_from_name(p) for p in v)
                                                for k, v in plan.params.items()})
-    return AutoParallelModel(model, captured, device_mesh, plan), plan
+    return AutoParallelModel(model, captured, device_mesh, plan, autocast), plan
