@@ -135,6 +135,17 @@ def _serial_steps(ids, steps, clip):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _engine_run(engine, ids, steps=3):
+    losses = []
+    for _ in range(steps):
+        loss = engine(ids)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _engine_steps(rank, ids, steps, clip):
     warnings.simplefilter('ignore')
     import colossal_lite
@@ -144,14 +155,8 @@ def _engine_steps(rank, ids, steps, clip):
     pmodel, plan = parallelize(model, (ids,), loss_fn=lm_loss, mesh=MESH, memory_gb=0.0004)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2, eps=1e-3)
     engine, *_ = colossal_lite.initialize(pmodel, opt, config=dict(clip_grad_norm=clip))
-    losses = []
     with comm_profile() as stats:
-        for _ in range(steps):
-            loss = engine(ids)
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
+        losses = _engine_run(engine, ids, steps)
     params = {n: p.full_tensor().detach() for n, p in pmodel.named_parameters()}
     return losses, params, plan.params, stats.bytes(), pmodel.last_deviations
 
@@ -519,17 +524,6 @@ class LossOf(torch.nn.Module):
 
     def forward(self, ids):
         return lm_loss(self.inner(ids), ids)
-
-
-def _engine_run(engine, ids, steps=3):
-    losses = []
-    for _ in range(steps):
-        loss = engine(ids)
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _serial_amp(rank, ids):
