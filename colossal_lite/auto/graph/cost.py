@@ -125,6 +125,7 @@ class GraphCost:
         self.mesh_shape = space.mesh_shape
         self.strides = [int(math.prod(self.mesh_shape[i + 1:])) for i in range(len(self.mesh_shape))]
         self._steps: Dict[tuple, tuple] = {}
+        self._matrices: Dict[tuple, np.ndarray] = {}
         self._names: Dict[int, List[tuple]] = {}
         self._liveness: Optional[Liveness] = None
         self.overhead = float(cluster.compute.get('kernel_overhead_s', 0.0)) \
@@ -267,8 +268,12 @@ class GraphCost:
                 nbytes, grad = _nbytes(meta), self._needs_grad(i, meta)
                 src_ids, srcs = _classes([c[1][out] for c in self._codes(i)])
                 dst_ids, dsts = _classes([(c[0][slot], c[2]) for c in cons])
-                small = np.array([[self.edge_steps(nbytes, src, dst, out_of, grad)[2]
-                                   for dst, out_of in dsts] for src in srcs])
+                key = (nbytes, grad, tuple(srcs), tuple(dsts))
+                small = self._matrices.get(key)
+                if small is None:   # repeated blocks share their edges' matrices
+                    small = self._matrices[key] = np.array(
+                        [[self.edge_steps(nbytes, src, dst, out_of, grad)[2]
+                          for dst, out_of in dsts] for src in srcs])
                 edges.append(Edge(i, j, small[np.ix_(src_ids, dst_ids)]))
         return edges
 

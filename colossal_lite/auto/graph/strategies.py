@@ -317,9 +317,20 @@ def combine(per_axis: Sequence[List[Strategy]]) -> List[Strategy]:
     return out
 
 
+_NODE_CACHE: Dict[tuple, Tuple[List[Strategy], bool]] = {}
+
+
 def node_strategies(node: torch.fx.Node, mesh_shape: Sequence[int]) -> Tuple[List[Strategy], bool]:
     """Every strategy of ``node`` on the mesh, and whether a rule (ours or DTensor's)
-    covers its op."""
+    covers its op; cached by signature and mesh, so repeated blocks cost one product."""
+    key = (_signature(node), tuple(mesh_shape))
+    if key not in _NODE_CACHE:
+        _NODE_CACHE[key] = _node_strategies(node, mesh_shape)
+    kept, ruled = _NODE_CACHE[key]
+    return list(kept), ruled
+
+
+def _node_strategies(node: torch.fx.Node, mesh_shape: Sequence[int]) -> Tuple[List[Strategy], bool]:
     per_axis, ruled = [], True
     for k in mesh_shape:
         rules, ok = axis_strategies(node, k)
