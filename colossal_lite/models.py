@@ -89,7 +89,11 @@ class PlannerShape:
     ``StagedModel.build_blocks`` ModuleDict, keyed by serial index). ``tie_head`` a flag
     option tying the head to the token embedding (None: ``ModelTraits.tied_head`` says);
     ``qkv_bias`` a flag option giving the q/k/v projections biases (None:
-    ``ModelTraits.linear_bias`` says)."""
+    ``ModelTraits.linear_bias`` says). ``moe`` the option holding a mixture-of-experts dict
+    (``experts``, ``top_k``, ``ffn_hidden``, ``first_dense``, ``shared_experts``,
+    ``shared_ffn_hidden``, ``shared_gate``, ``expert_tensor_parallel``; None or an unset
+    option: a dense model): the blocks from ``first_dense`` on have an MoE MLP of SwiGLU
+    experts (docs/moe.md), which the planner costs with expert parallelism."""
 
     layers: str = 'layers'
     hidden: str = 'hidden'
@@ -109,6 +113,7 @@ class PlannerShape:
     blocks: str = 'blocks'
     tie_head: Optional[str] = None
     qkv_bias: Optional[str] = None
+    moe: Optional[str] = None
 
     def __post_init__(self):
         image = (self.image, self.patch, self.channels)

@@ -77,7 +77,7 @@ register_model('llama', Llama, LLAMA_PRESETS, loss=GPTLMLoss, data='shakespeare'
                rules=_llama_rules, label='Llama',
                shape=PlannerShape(kv_heads='kv_heads', ffn='intermediate', mlp_ratio=None,
                                   positions=None, tie_head='tie_embeddings',
-                                  qkv_bias='qkv_bias'),
+                                  qkv_bias='qkv_bias', moe='moe'),
                traits=ModelTraits(causal=True, causal_mask=True, gated_mlp=True, rms_norm=True,
                                   linear_bias=False, rotary=True),
                hf=HFAdapter(Llama.from_hf, Llama.save_hf), check=_llama_check)

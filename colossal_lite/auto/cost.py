@@ -107,8 +107,8 @@ class Candidate:
             mode += f' d={l.depth}'
         if l.mode == 'ulysses' and l.ring > 1:
             mode += f' R={l.ring}'
-        parts = [f'D={l.data}', f'P={l.pipeline}', f't={l.tensor}({mode})',
-                 f'M={self.microbatches}']
+        parts = [f'D={l.data}' + (f' E={l.expert}' if getattr(l, 'expert', 1) > 1 else ''),
+                 f'P={l.pipeline}', f't={l.tensor}({mode})', f'M={self.microbatches}']
         if l.pipeline > 1:
             parts.append(self.schedule + (f' V={self.chunks}' if self.chunks > 1 else '')
                          + f' {self.partition}')
@@ -163,6 +163,52 @@ def part_params(shape: ModelShape, layout, pipelined: bool) -> Tuple[int, int, i
     return (layer_params(shape.block_layers(), layout.mode, layout),
             layer_params(shape.first_layers(), layout.mode, layout),
             layer_params(shape.last_layers(pipelined), layout.mode, layout))
+
+
+@lru_cache(maxsize=4096)
+def dense_block_params(shape: ModelShape, layout) -> int:
+    """Elements one rank holds of a dense block (an MoE model's first ``first_dense``)."""
+    return layer_params(shape.dense_block_layers(), layout.mode, layout)
+
+
+def rank_dense_blocks(shape: ModelShape, ranges: Sequence[range], p: int) -> List[int]:
+    """Per pipeline rank, how many of its blocks are dense (an MoE model's first
+    ``first_dense``; for a dense model, all)."""
+    return [shape.dense_blocks([i for s, r in enumerate(ranges) if s % p == rank for i in r])
+            for rank in range(p)]
+
+
+def moe_layer_time(cluster: ClusterProfile, shape: ModelShape, layout, tokens: float,
+                   elem: int = 4) -> Tuple[float, float, float]:
+    """(forward seconds, backward seconds, all_to_all buffer bytes per rank) of one MoE
+    layer's expert-parallel traffic on a replica micro-batch of ``tokens`` tokens (this
+    rank routes ``N`` of them: all under 1D, ``1/t`` in the sequence modes), uniform
+    routing (``ModelShape.moe_uniform_off_rows``: ``N k (E-1)/E`` rows leave and as many
+    arrive): over the E ranks of EXPERT (``t`` apart), forward the counts all_to_all
+    (``8 X`` bytes) and the dispatch and combine all_to_alls (``h elem`` per row each),
+    backward the two transposed ones: ``5 α + β (8 X + 2 h elem (S_off + R_off))``
+    (``ModelShape.moe_all_to_all_bytes``); and in the forward the statistics all_reduce
+    of ``[X]`` int64 over DATA (SEQUENCE_DP in the sequence modes). Expert tensor
+    parallelism's TENSOR all_reduces are in the block's tensor bytes
+    (``ModelShape.block_comm_bytes``)."""
+    moe = shape.moe
+    if moe is None:
+        return 0.0, 0.0, 0.0
+    t, e = layout.tensor, getattr(layout, 'expert', 1)
+    seq = splits_sequence(layout.mode)
+    routed = tokens / (t if seq else 1)
+    forward = backward = nbytes = 0.0
+    if e > 1:
+        off = shape.moe_uniform_off_rows(routed, e)
+        nbytes = shape.moe_all_to_all_bytes(off, off, elem)
+        rows = shape.hidden * elem * 2 * off        # one direction's dispatch + combine
+        alpha, _ = cluster.alpha_beta('all_to_all', e, cluster.placement(t, e))
+        pair = cluster.group_time('all_to_all', rows, t, e) + alpha   # two calls
+        forward += cluster.group_time('all_to_all', 8 * moe.experts, t, e) + pair
+        backward += pair
+    stride, size = (1, layout.data * t) if seq else (t, layout.data)
+    forward += cluster.group_time('all_reduce', 8 * moe.experts, stride, size)
+    return forward, backward, nbytes
 
 
 def rank_parts(ranges: Sequence[range], p: int, v: int) -> List[Tuple[int, int, int, int]]:
@@ -228,6 +274,8 @@ def tensor_calls(shape: ModelShape, layout) -> float:
     units = len(shape.block_calls) + 2
     extra = (2 + 2 * shape.qkv_bias) if kv_replicated(layout.mode, layout.tensor,
                                                        shape.kv_heads) else 0
+    if shape.moe is not None and shape.moe.expert_tensor(layout.mode, layout.tensor) > 1:
+        extra += 2   # expert tensor parallelism: the rows' all_reduce forward and backward
     return calls * units / 6 + extra
 
 
@@ -315,7 +363,8 @@ def block_time(shape: ModelShape, cluster: ClusterProfile, layout, tokens: float
         forward = whole * family_forward_share(entry, 3 * flops)
         return forward, whole - forward, 0.0
     overhead = float(cluster.compute.get('block_overhead_s', 0.0))
-    forward = flops / t / cluster.flops + overhead / 3
+    whole = shape.replicated_flops(tokens, layout.mode, t)   # MoE under 1D: router, ...
+    forward = ((flops - whole) / t + whole) / cluster.flops + overhead / 3
     if layout.mode == 'ulysses':   # two collectives over two groups (all_to_all, ring)
         return forward, 2 * forward, ulysses_time(cluster, shape, layout, tokens / shape.seq,
                                                   comm_bytes)
@@ -354,13 +403,33 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
 
     fwd, bwd, params_rank, rank_shapes = [], [], [], []
     f_one, b_one = f_block + c_block / 2, b_block + c_block / 2 + recompute
+    # an MoE model: its blocks are MoE blocks (the expert-parallel traffic on top), but
+    # for the first ``first_dense``, dense blocks (their own parameters and time)
+    f_moe, b_moe, moe_bytes = moe_layer_time(cluster, shape, l, tokens, elem)
+    f_one, b_one = f_one + f_moe, b_one + b_moe + (f_moe if cand.checkpoint else 0.0)
+    dense_rank = ([0] * p if shape.moe is None or not shape.moe.first_dense
+                  else rank_dense_blocks(shape, ranges, p))
+    expert_block = shape.expert_params(l.mode, t, getattr(l, 'expert', 1))
+    if any(dense_rank):
+        dense = shape.dense
+        dense_params = dense_block_params(shape, l)
+        f_d, b_d, c_d = block_time(dense, cluster, l, tokens,
+                                   block_comm_bytes(dense, l, micro, elem))
+        f_dense = f_d + c_d / 2
+        b_dense = b_d + c_d / 2 + ((f_d + 0.5 * c_d) if cand.checkpoint else 0.0)
+    else:
+        dense_params = f_dense = b_dense = 0.0
+    experts_rank = []
     parts = rank_parts(ranges, p, v)
     for rank, (n_blocks, n_stages, first, last) in enumerate(parts):
-        params_rank.append(n_blocks * block_params + first * first_params + last * last_params)
-        fwd.append(n_blocks * f_one + last * f_head + (first + last) * part_fixed / 3
-                   + p2p * n_stages)
-        bwd.append(n_blocks * b_one + last * 2 * f_head + (first + last) * part_fixed * 2 / 3
-                   + p2p * n_stages)
+        n_dense = dense_rank[rank]
+        params_rank.append((n_blocks - n_dense) * block_params + n_dense * dense_params
+                           + first * first_params + last * last_params)
+        experts_rank.append((n_blocks - n_dense) * expert_block)
+        fwd.append((n_blocks - n_dense) * f_one + n_dense * f_dense + last * f_head
+                   + (first + last) * part_fixed / 3 + p2p * n_stages)
+        bwd.append((n_blocks - n_dense) * b_one + n_dense * b_dense + last * 2 * f_head
+                   + (first + last) * part_fixed * 2 / 3 + p2p * n_stages)
         held = in_flight(cand.schedule, p, m, v, rank)
         rank_shapes.append(dict(blocks=n_blocks, held=held, last=bool(last),
                                 after_backward=m > held, schedule=cand.schedule, rank=rank))
@@ -378,18 +447,27 @@ def evaluate_zero_stages(shape: ModelShape, cluster: ClusterProfile, cand: Candi
                   pipeline=pipe, bubble=pipe - m * slow, block_compute=f_block + b_block,
                   block_forward=f_block,
                   block_comm=c_block, tensor_bytes_per_block=comm_block, p2p=p2p,
-                  params=params_rank, activations_per_block=kept)
+                  params=params_rank, activations_per_block=kept,
+                  expert_params=experts_rank,
+                  moe=dict(all_to_all_bytes_per_layer=moe_bytes, forward_s=f_moe,
+                           backward_s=b_moe, layers=shape.moe_layers),
+                  expert_comm=m * max(n - nd for (n, _, _, _), nd in zip(parts, dense_rank))
+                  * (f_moe + b_moe + (f_moe if cand.checkpoint else 0.0)))
     out = []
     for zero in zeros:
         this = offload.normalized(cand if zero == cand.zero else replace(cand, zero=zero))
         buffers = [rank_memory(shape, l, params=n, micro=micro, microbatches=m, zero=zero,
-                               checkpoint=cand.checkpoint, elem=elem, **rs)
-                   for n, rs in zip(params_rank, rank_shapes)]
+                               checkpoint=cand.checkpoint, elem=elem, expert_params=x, **rs)
+                   for n, x, rs in zip(params_rank, experts_rank, rank_shapes)]
         memory = [b.peak for b in buffers]
         data_whole, data_sharded = MODEL_DATA_BYTES[zero]
-        model_data = [n * (data_whole + data_sharded / d) for n in params_rank]
+        d_e = d // getattr(l, 'expert', 1)     # EXPERT_DATA: an expert shard's replicas
+        model_data = [n * data_whole + (n - x) * data_sharded / d + x * data_sharded / d_e
+                      for n, x in zip(params_rank, experts_rank)]
         chunks = zero3_chunks(shape, d) if zero == 3 else 1
-        sync = _gradient_sync(cluster, l, this, max(params_rank), elem, chunks)
+        heavy = max(range(p), key=lambda r: params_rank[r])
+        sync = _gradient_sync(cluster, l, this, params_rank[heavy], elem, chunks,
+                              experts_rank[heavy])
         if zero == 3:
             exposed = zero3_exposed(cluster, l, m, max(params_rank) * elem, chunks, fwd[0],
                                     bwd[0])
@@ -475,14 +553,15 @@ def part_tensors(shape: ModelShape, pipelined: bool) -> Tuple[int, int, int]:
 
 
 def zero3_exposed(cluster: ClusterProfile, layout, microbatches: int, nbytes: float,
-                  chunks: int, forward: float, backward: float) -> float:
+                  chunks: int, forward: float, backward: float,
+                  group: Optional[Tuple[int, int]] = None) -> float:
     """Seconds ZeRO-3's traffic adds to a step (``nbytes`` of local parameters in ``chunks``
     chunks): each chunk's reduce_scatter per micro-step, exposed; and per pass (the forward
     and the backward of each micro-batch, ``forward`` / ``backward`` seconds) one all_gather
     ``g`` per chunk, prefetched one chunk ahead (``zero.prefetch``): the first waits whole,
     each later one overlaps the compute of the chunk before it (``pass / chunks``), both
     slowed ``OVERLAP_SLOWDOWN``x while they overlap."""
-    stride, size = layout.tensor, layout.data
+    stride, size = group or (layout.tensor, layout.data)   # (stride, size) of the group
     one = nbytes / chunks
     gather = cluster.group_time('all_gather', one, stride, size)
     scatter = microbatches * chunks * cluster.group_time('reduce_scatter', one, stride, size)
@@ -504,26 +583,37 @@ def zero3_chunks(shape: ModelShape, data: int) -> int:
 
 
 def _gradient_sync(cluster: ClusterProfile, layout, cand: Candidate, params: float,
-                   elem: int, chunks: int = 1) -> float:
+                   elem: int, chunks: int = 1, expert_params: float = 0.0) -> float:
     """Seconds of the data-parallel gradient traffic (``formulas.gradient_sync_bytes``) of
     the heaviest stage, over the data group (stride t, size D; sequence mode: D*t); ZeRO-3
     moves it in ``chunks`` calls per all_gather / reduce_scatter (``zero3_exposed`` with no
-    compute to hide behind)."""
-    d, t = layout.data, layout.tensor
-    stride, size = t, d
-    if splits_sequence(layout.mode):
-        stride, size = 1, d * t
-    if size == 1:
+    compute to hide behind). Of an MoE model's ``params``, the ``expert_params`` are summed
+    (and ZeRO-sharded) over EXPERT_DATA instead (``gradient_handler.gradient_axis``): D / E
+    ranks ``E t`` apart (sequence modes: the D t / E ranks of expert_data x tensor), the same
+    collectives on their own buckets."""
+    d, t, e = layout.data, layout.tensor, getattr(layout, 'expert', 1)
+    group = (1, d * t) if splits_sequence(layout.mode) else (t, d)
+    if not expert_params or e == 1:   # EXPERT_DATA = DATA: every gradient in one sync
+        return _sync_over(cluster, cand, params, elem, chunks, *group)
+    expert_group = (1, d * t // e) if splits_sequence(layout.mode) else (e * t, d // e)
+    return (_sync_over(cluster, cand, params - expert_params, elem, chunks, *group)
+            + _sync_over(cluster, cand, expert_params, elem, chunks, *expert_group))
+
+
+def _sync_over(cluster: ClusterProfile, cand: Candidate, params: float, elem: int,
+               chunks: int, stride: int, size: int) -> float:
+    """:func:`_gradient_sync` of ``params`` elements over a group of ``size`` ranks
+    ``stride`` apart."""
+    if size == 1 or params <= 0:
         return 0.0
     n = formulas.gradient_sync_bytes(cand.zero, int(params), cand.microbatches, elem)
     one = params * elem
     if cand.zero == 0:
         return data_sync_time(cluster, 'all_reduce', n, stride, size)
     if cand.zero == 3:  # every call per chunk, none hidden behind compute
-        assert 3 * cand.microbatches * one == n
-        return zero3_exposed(cluster, layout, cand.microbatches, one, chunks, 0.0, 0.0)
+        return zero3_exposed(cluster, None, cand.microbatches, one, chunks, 0.0, 0.0,
+                             group=(stride, size))
     rs_calls = {1: 1, 2: cand.microbatches}[cand.zero]
-    assert (rs_calls + 1) * one == n
     return (rs_calls * data_sync_time(cluster, 'reduce_scatter', one, stride, size)
             + data_sync_time(cluster, 'all_gather', one, stride, size))
 

@@ -216,6 +216,11 @@ def mlp_gradient_bytes(shape: ModelShape, layout, micro: float, elem: int = 4) -
     tokens = micro * shape.seq
     hidden = shape.ffn
     grads = shape.mlp_inputs + 1
+    moe = shape.moe
+    if moe is not None:   # the k expert rows' SwiGLU (width / t_e) and the shared experts'
+        rows = tokens * (1 if layout.mode == '1d' else 1 / t)   # whole tokens under 1D
+        t_e = moe.expert_tensor(layout.mode, t)
+        return elem * 3 * (rows * moe.top_k * moe.ffn / t_e + tokens * moe.shared / t)
     summa = 0.0
     if layout.mode in ('2d', '2.5d'):  # fc1's SUMMA backward: its broadcast dY and W blocks
         summa = min(layout.tensor_grid, 2) * (tokens * hidden + hidden * shape.hidden) / t
@@ -287,12 +292,16 @@ def _unit_terms(shape: ModelShape, layout, micro: float, elem: int) -> Tuple[flo
 def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: float,
                 last: bool, micro: float, microbatches: int, zero: int, checkpoint: bool,
                 after_backward: bool, schedule: str = '1f1b', rank: int = 0,
-                elem: int = 4) -> RankMemory:
+                elem: int = 4, expert_params: float = 0.0) -> RankMemory:
     """The buffers of one rank holding ``params`` local elements and ``blocks`` blocks,
     with ``held`` micro-batches in flight at its peak; ``after_backward``: an earlier
-    micro-batch's backward has run when the peak comes (its gradients are live)."""
+    micro-batch's backward has run when the peak comes (its gradients are live).
+    ``expert_params`` (of ``params``): an MoE model's expert parameters, whose ZeRO shards
+    are over EXPERT_DATA (D / E ranks) instead of DATA."""
     d, m = layout.data, microbatches
+    d_e = d // getattr(layout, 'expert', 1)
     grads = elem * params
+    shard_of = elem * ((params - expert_params) / d + expert_params / d_e)  # a ZeRO shard
     kept, qkv, block_input, mlp, loss_head, boundary, logits, stash = _unit_terms(
         shape, layout, micro, elem)
     if qkv_copied(shape, layout, zero):
@@ -317,14 +326,14 @@ def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: 
     out = logits if last and layout.pipeline == 1 else 0.0
     reducers = d * layout.tensor if splits_sequence(layout.mode) else d
     if zero == 2 and reducers > 1:
-        shard = grads / d
+        shard = shard_of
         gradients_a = shard if m > 1 else 0.0
         bucket = min(grads, ZERO_BUCKET_BYTES)
         reduction = 2 * bucket + shard + (shard if m > 1 else 0.0)
     elif zero == 1 and reducers > 1:
         gradients_a = grads if after_backward else 0.0
         bucket = min(grads, ZERO_BUCKET_BYTES)
-        reduction = 2 * bucket + grads / d
+        reduction = 2 * bucket + shard_of
     else:
         gradients_a = grads if after_backward else 0.0
         reduction = min(grads, DP_BUCKET_BYTES) if (zero == 0 and reducers > 1) else 0.0
@@ -333,7 +342,9 @@ def rank_memory(shape: ModelShape, layout, *, params: float, blocks: int, held: 
         # gradient transient (the last block) or every later block's gradients (the first)
         head = max(head, kept + block_input + max(mlp, grads - gradients_a))
     gathered = grads if zero == 3 else 0.0
-    return RankMemory(states=states_bytes(params, zero, d, elem) + frequencies,
+    states = (states_bytes(params - expert_params, zero, d, elem)
+              + states_bytes(expert_params, zero, d_e, elem))
+    return RankMemory(states=states + frequencies,
                       activations=activations, head=head,
                       outputs=m * out,
                       gradients_a=gradients_a, gathered=gathered,

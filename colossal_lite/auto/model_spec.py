@@ -25,6 +25,29 @@ Layer = Tuple[str, dict]   # (formulas kind, its dims)
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts model's MLP (``PlannerShape.moe``, docs/moe.md): ``experts`` X
+    SwiGLU experts of width ``ffn`` f, ``top_k`` k per token, the always-on shared experts
+    stored as one SwiGLU of width ``shared`` (n f_s; 0: none) with a sigmoid gate
+    (``shared_gate``), the first ``first_dense`` blocks dense; ``tensor_parallel`` the
+    option ``expert_tensor_parallel`` (None: on under 1D, False: experts whole)."""
+
+    experts: int
+    top_k: int
+    ffn: int
+    shared: int = 0
+    shared_gate: bool = False
+    first_dense: int = 0
+    tensor_parallel: Optional[bool] = None
+
+    def expert_tensor(self, mode: Optional[str], tensor: int) -> int:
+        """t_e: the ranks each expert's width is cut over (expert tensor parallelism: the 1D
+        group unless ``tensor_parallel`` is False), else 1."""
+        return tensor if mode == '1d' and tensor > 1 and self.tensor_parallel is not False \
+            else 1
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """A registered model's sizes: ``kind`` (its registry name), ``preset``, its resolved
     ``options`` and the sequence length ``seq`` (an image model: 1 + patches). The sizes and
@@ -96,6 +119,42 @@ class ModelShape:
         return bool(self.option(names.qkv_bias)) if names.qkv_bias else self.traits.linear_bias
 
     @cached_property
+    def moe(self) -> Optional[MoESpec]:
+        """The :class:`MoESpec` of the option ``PlannerShape.moe`` names, None for a dense
+        model."""
+        name = getattr(self.names, 'moe', None)
+        spec = self.option(name) if name else None
+        if not spec:
+            return None
+        ffn = spec.get('ffn_hidden') or self.ffn
+        shared = spec.get('shared_experts', 0) * (spec.get('shared_ffn_hidden') or ffn)
+        return MoESpec(spec['experts'], spec['top_k'], ffn, shared,
+                       bool(shared and spec.get('shared_gate')), spec.get('first_dense', 0),
+                       spec.get('expert_tensor_parallel'))
+
+    @cached_property
+    def moe_layers(self) -> int:
+        """Blocks with an MoE MLP (``layers - first_dense``; 0 for a dense model)."""
+        return self.layers - self.moe.first_dense if self.moe else 0
+
+    def dense_blocks(self, blocks) -> int:
+        """How many of the serial block indices ``blocks`` are dense (an MoE model's first
+        ``first_dense``; all of a dense model's)."""
+        if self.moe is None:
+            return len(blocks)
+        return sum(1 for i in blocks if i < self.moe.first_dense)
+
+    @cached_property
+    def dense(self) -> 'ModelShape':
+        """This model without its MoE option: the shape of its dense blocks (the first
+        ``first_dense``), a dense model itself."""
+        name = getattr(self.names, 'moe', None)
+        if self.moe is None:
+            return self
+        return ModelShape(self.kind, self.preset, tuple((k, None if k == name else v)
+                                                        for k, v in self.options), self.seq)
+
+    @cached_property
     def mlp_inputs(self) -> int:
         """The MLP's input projections: 2 when gated (gate and up), else 1."""
         return 2 if self.traits.gated_mlp else 1
@@ -143,8 +202,26 @@ class ModelShape:
             return ('linear', dict(fin=fin, fout=fout, bias=b, region=region))
         kv = ('kv_linear', dict(fin=h, kv_heads=self.kv_heads, head_dim=self.head_dim,
                                 bias=self.qkv_bias))
-        return ([norm, lin(h, h, 'enter', self.qkv_bias), kv, kv, lin(h, h, 'exit'), norm]
-                + [lin(h, f, 'enter')] * self.mlp_inputs + [lin(f, h, 'exit')])
+        attention = [norm, lin(h, h, 'enter', self.qkv_bias), kv, kv, lin(h, h, 'exit'), norm]
+        moe = self.moe
+        if moe is None:
+            return attention + [lin(h, f, 'enter')] * self.mlp_inputs + [lin(f, h, 'exit')]
+        # an MoE block: the router [X, h] (replicated), the stacked experts (kind 'experts':
+        # cut over EXPERT and, under expert tensor parallelism, their width over TENSOR),
+        # the shared experts as one SwiGLU of width n f_s (split as a 1D MLP) and their gate
+        out = attention + [('replicated', dict(n=moe.experts * h)),
+                           ('experts', dict(experts=moe.experts, h=h, f=moe.ffn,
+                                            tensor_parallel=moe.tensor_parallel))]
+        if moe.shared:
+            out += [lin(h, moe.shared, 'enter', False)] * 2 + [lin(moe.shared, h, 'exit', False)]
+        if moe.shared_gate:
+            out.append(('replicated', dict(n=h)))
+        return out
+
+    def dense_block_layers(self) -> List[Layer]:
+        """A dense block's layers (:meth:`block_layers` of a dense model; an MoE model's
+        first ``first_dense`` blocks)."""
+        return self.dense.block_layers()
 
     def first_layers(self) -> List[Layer]:
         """The embeddings: tokens, learned positions, token types, or an image's patches;
@@ -190,8 +267,11 @@ class ModelShape:
     def model_numels(self) -> List[int]:
         """Serial elements of each parameter tensor in model (= first-use) order, the tied
         head's weight once (as the unpipelined model holds it)."""
-        return (tensor_numels(self.first_layers()) + tensor_numels(self.block_layers())
-                * self.layers + tensor_numels(self.last_layers(False)))
+        dense = self.layers - self.moe_layers if self.moe else 0
+        return (tensor_numels(self.first_layers())
+                + tensor_numels(self.dense_block_layers()) * dense
+                + tensor_numels(self.block_layers()) * (self.layers - dense)
+                + tensor_numels(self.last_layers(False)))
 
     # ---------------------------------------------------------------- FLOPs and activations
     @cached_property
@@ -201,8 +281,11 @@ class ModelShape:
         ``[h -> h]``, each MLP input projection ``[h -> i]`` (gate and up when gated; called
         apart) and the output projection ``[i -> h]``."""
         h, f, bias = self.hidden, self.ffn, self.traits.linear_bias
-        return (((h, h + 2 * self.kv_dim, self.qkv_bias), (h, h, bias))
-                + ((h, f, bias),) * self.mlp_inputs + ((f, h, bias),))
+        attention = ((h, h + 2 * self.kv_dim, self.qkv_bias), (h, h, bias))
+        if self.moe is not None:   # an MoE block: the shared experts' SwiGLU, if any
+            s = self.moe.shared
+            return attention + (((h, s, False),) * 2 + ((s, h, False),) if s else ())
+        return attention + ((h, f, bias),) * self.mlp_inputs + ((f, h, bias),)
 
     def block_flops(self, tokens: float) -> float:
         """Forward FLOPs of one block on ``tokens`` = b*s tokens: 2 per weight element of its
@@ -211,7 +294,31 @@ class ModelShape:
         head, whatever n_kv; the causal half not discounted). Elementwise work (norms,
         rotary, GELU / SiLU, softmax, biases) is not counted."""
         weights = sum(fan_in * fan_out for fan_in, fan_out, _ in self.block_calls)
-        return tokens * (2 * weights + 4 * self.seq * self.hidden)
+        return tokens * (2 * weights + 4 * self.seq * self.hidden) + self.routed_flops(tokens)
+
+    def routed_flops(self, tokens: float) -> float:
+        """An MoE block's forward FLOPs beyond :attr:`block_calls` on ``tokens`` tokens: the
+        router ``2 h X`` and the k experts' SwiGLU ``k 3 2 h f`` per token (uniform: every
+        token's k slots cost the same), the shared gate ``2 h``; 0 for a dense block."""
+        moe = self.moe
+        if moe is None:
+            return 0.0
+        h = self.hidden
+        return tokens * (2 * h * moe.experts + moe.top_k * 6 * h * moe.ffn
+                         + 2 * h * moe.shared_gate)
+
+    def replicated_flops(self, tokens: float, mode: Optional[str], tensor: int) -> float:
+        """Of :meth:`block_flops`, what every tensor rank computes whole under 1D (the same
+        tokens on each rank): the router and gate and, without expert tensor parallelism,
+        the experts. 0 elsewhere (the sequence modes split the tokens)."""
+        moe = self.moe
+        if moe is None or mode != '1d' or tensor == 1:
+            return 0.0
+        h = self.hidden
+        out = tokens * (2 * h * moe.experts + 2 * h * moe.shared_gate)
+        if moe.expert_tensor(mode, tensor) == 1:
+            out += tokens * moe.top_k * 6 * h * moe.ffn
+        return out
 
     def head_flops(self, samples: float) -> float:
         """Forward FLOPs of the head: on every token (a language model) or on one (a
@@ -259,7 +366,8 @@ class ModelShape:
         (no op keeps them); ``(3h + 2 n' d + a) / t``."""
         h, a, f = self.hidden, self.heads, self.ffn
         t = tensor if mode else 1
-        mlp = 2 * self.mlp_inputs * f / t
+        mlp = 2 * self.mlp_inputs * f / t if self.moe is None else self.moe_values_per_token(
+            mode, t)
         norms = 2 * self.norm_values_per_token(mode, tensor, grid)
         if mode == 'ulysses':
             kv_heads = ulysses_kv_heads(self.kv_heads, tensor // ring)
@@ -268,6 +376,53 @@ class ModelShape:
         rotary = h / t + kv if self.traits.rotary else 0.0
         attention = 2 * h / t + 2 * kv + rotary + a / t
         return norms + attention + mlp
+
+    def moe_values_per_token(self, mode: Optional[str], tensor: int) -> float:
+        """An MoE MLP's saved values per token on a rank (replacing the dense MLP's ``2 g i /
+        t``), uniform routing (every token's k rows): the router's logits and scores ``2X``
+        (fp32), the k routing weights, the experts' input rows ``k h`` (after the dispatch,
+        the rows each local expert multiplies), their SwiGLU hidden ``4 k f / t_e`` (gate,
+        SiLU, up, product), the combine's rows at their slots ``k h``; the shared experts as a
+        gated MLP ``4 n f_s / t`` and gate ``1``. Under 1D (the tokens whole on every rank) the
+        routed part is kept per rank and only the expert width is split (t_e); the sequence
+        modes split the tokens: everything ``/ t``."""
+        moe, h = self.moe, self.hidden
+        seq = splits_sequence(mode)
+        t = tensor if mode else 1
+        t_e = moe.expert_tensor(mode, t)
+        routed = 2 * moe.experts + moe.top_k * (1 + 2 * h + 4 * moe.ffn / t_e)
+        shared = 4 * moe.shared / (t if mode == '1d' else 1) + moe.shared_gate
+        return (routed + shared) / (t if seq else 1)
+
+    def moe_rows(self, tokens: float) -> float:
+        """Rows the MoE layer routes from ``tokens`` tokens, ``N k`` (dropless)."""
+        return tokens * self.moe.top_k
+
+    def moe_all_to_all_bytes(self, sent_off: float, received_off: float,
+                             elem: int = 4) -> float:
+        """One MoE layer's all_to_all buffer bytes per rank over EXPERT, forward + backward of
+        one micro-batch, with ``sent_off`` of this rank's kept rows going to experts on other
+        ranks and ``received_off`` rows coming from other ranks (``dispatch.exchange_rows``
+        moves only those; the own run stays local): the counts ``8 X`` (int64, forward), the
+        dispatch ``sent_off`` and the combine ``received_off`` rows of ``h elem`` bytes
+        forward, the same two transposed backward: ``8 X + 2 h elem (S_off + R_off)`` in 5
+        calls. Uniform routing (:meth:`moe_uniform_off_rows`): ``S_off = R_off = N k (E-1)/E``."""
+        return 8 * self.moe.experts + 2 * self.hidden * elem * (sent_off + received_off)
+
+    def moe_uniform_off_rows(self, tokens: float, expert: int) -> float:
+        """Rows of ``tokens`` tokens that leave the rank (and as many that arrive) with
+        uniform routing over E expert ranks: ``N k (E - 1) / E``."""
+        return self.moe_rows(tokens) * (expert - 1) / expert
+
+    def expert_params(self, mode: Optional[str], tensor: int, expert: int) -> float:
+        """Expert parameters one rank holds of one MoE block, ``3 X h f / (E t_e)``: the
+        part of the block's parameters whose gradients are summed over EXPERT_DATA (data / E)
+        and whose ZeRO shards are over it."""
+        moe = self.moe
+        if moe is None:
+            return 0
+        t_e = moe.expert_tensor(mode, tensor if mode else 1)
+        return 3 * moe.experts * self.hidden * moe.ffn // (expert * t_e)
 
     def local_kv_width(self, mode: Optional[str], tensor: int) -> float:
         """The k (or v) projection's output width on a rank: ``n_kv d / t``, or ``d`` where
@@ -303,6 +458,10 @@ class ModelShape:
         norm = 0.5 if self.traits.rms_norm else 1.0
         if mode == '1d':
             out = len(calls) * b * s * h * elem
+            if self.moe is not None and self.moe.expert_tensor(mode, p) > 1:
+                # expert tensor parallelism: the rows the local experts process, R = N k
+                # (uniform, dropless), all-reduced over TENSOR forward and backward
+                out += 2 * self.moe_rows(n) * h * elem
             if kv_replicated(mode, p, self.kv_heads):
                 out += 2 * (h + self.qkv_bias) * self.kv_dim * elem
             return out
@@ -379,7 +538,10 @@ def param_formulas(mode: Optional[str], layout) -> dict:
     """``formulas.params`` plus the kinds of the blocks it does not describe: ``rmsnorm(h)``
     (a LayerNorm's weight without its bias: half of ``layernorm``) and
     ``kv_linear(fin, kv_heads, head_dim, bias)`` -- an 'enter' linear to ``n_kv d``, or
-    replicated whole, ``(fin + bias) n_kv d``, where :func:`kv_replicated`."""
+    replicated whole, ``(fin + bias) n_kv d``, where :func:`kv_replicated`; an MoE block's
+    ``replicated(n)`` (the router, the shared-expert gate: whole on every rank) and
+    ``experts(experts, h, f, tensor_parallel)``, the stacked SwiGLU experts ``3 X h f / (E
+    t_e)`` (E = ``layout.expert``, t_e :meth:`MoESpec.expert_tensor`)."""
     table = dict(formulas.params(mode, layout))
     layernorm, linear = table['layernorm'], table['linear']
 
@@ -387,7 +549,13 @@ def param_formulas(mode: Optional[str], layout) -> dict:
         if kv_replicated(mode, layout.tensor if mode else 1, kv_heads):
             return (fin + (1 if bias else 0)) * kv_heads * head_dim
         return linear(fin, kv_heads * head_dim, bias, 'enter')
-    table.update(rmsnorm=lambda h: layernorm(h) // 2, kv_linear=kv_linear)
+    def experts(experts, h, f, tensor_parallel=None):
+        expert = getattr(layout, 'expert', 1)
+        t_e = MoESpec(experts, 1, f, tensor_parallel=tensor_parallel).expert_tensor(
+            mode, layout.tensor if mode else 1)
+        return 3 * experts * h * f // (expert * t_e)
+    table.update(rmsnorm=lambda h: layernorm(h) // 2, kv_linear=kv_linear,
+                 replicated=lambda n: n, experts=experts)
     return table
 
 
@@ -409,6 +577,10 @@ def tensor_numels(layers: List[Layer]) -> List[int]:
         elif kind in ('vocab_classifier', 'classifier'):
             out += (([] if a.get('tied') else [a['c'] * a['h']])
                     + ([a['c']] if a.get('bias') else []))
+        elif kind == 'replicated':
+            out.append(a['n'])
+        elif kind == 'experts':
+            out += [a['experts'] * a['h'] * a['f']] * 3
         elif kind == 'patch_embedding':
             out += [a['h'] * a['chans'] * a['patch'] ** 2, a['h'], a['h'], a['tokens'] * a['h']]
         else:

@@ -100,6 +100,8 @@ def plan_config(shape: ModelShape, cand: Candidate, batch: int, partition=None,
     and all-or-none checkpointing (the per-layer choices of :func:`per_layer_choices`)."""
     l = cand.layout
     parallel = dict(data=l.data)
+    if getattr(l, 'expert', 1) > 1:   # expert groups carved out of the data axis
+        parallel['expert'] = l.expert
     if l.pipeline > 1:
         parallel['pipeline'] = dict(size=l.pipeline, chunks=cand.chunks, schedule=cand.schedule,
                                     partition=list(partition) if partition else cand.partition)
@@ -173,6 +175,8 @@ def _why(est: Estimate, best: Estimate, budget: float) -> str:
     diffs = {'pipeline bubble': est.terms['bubble'] - best.terms['bubble'],
              'exposed gradient sync': est.terms['exposed_sync'] - best.terms['exposed_sync'],
              'tensor-parallel communication': est.terms['tensor_comm'] - best.terms['tensor_comm'],
+             'expert-parallel all_to_all': est.terms.get('expert_comm', 0.0)
+                 - best.terms.get('expert_comm', 0.0),
              'compute (recompute or more layers per rank)':
                  est.terms['compute'] - best.terms['compute'],
              'host offload (copies over the host link, CPU Adam)':
@@ -197,7 +201,8 @@ def _layout_name(layout) -> str:
         mode += f' d={layout.depth}'
     if layout.mode == 'ulysses' and layout.ring > 1:
         mode += f' R={layout.ring}'
-    return f'D={layout.data} P={layout.pipeline} t={layout.tensor}({mode})'
+    expert = f' E={layout.expert}' if getattr(layout, 'expert', 1) > 1 else ''
+    return f'D={layout.data}{expert} P={layout.pipeline} t={layout.tensor}({mode})'
 
 
 def _skipped_examples(skipped, count: int = 6):
@@ -212,7 +217,7 @@ def _skipped_examples(skipped, count: int = 6):
 
 def _runners_up(result: SearchResult, best: Estimate, count: int) -> List[tuple]:
     def key(l):
-        return (l.mode, l.pipeline, l.tensor, l.ring)
+        return (l.mode, l.pipeline, l.tensor, l.ring, getattr(l, 'expert', 1))
     seen = {key(best.candidate.layout)}
     out = []
     for est in result.feasible:

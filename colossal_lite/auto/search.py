@@ -1,6 +1,8 @@
 """The search: every executable layout for N devices, each costed by ``cost.evaluate``.
 
-1. :func:`layouts` -- every ``ParallelLayout`` with ``data * pipeline * tensor = N`` whose
+1. :func:`layouts` -- every ``ParallelLayout`` with ``data * pipeline * tensor = N`` (and,
+   for an MoE model, every expert degree E dividing the data size and the experts,
+   :func:`expert_options`; no 2D/2.5D/3D, which split the hidden vector MoE routes) whose
    tensor family splits the model and the batch (the size rules ``colossal-lite train``
    checks, ``job._check_rule``), pipeline P <= layers; tensor modes 1D, 2D, 2.5D, 3D, the
    sequence ring and Ulysses (:func:`ring_options`: pure, R = 1, and the ring x Ulysses
@@ -34,6 +36,7 @@ import colossal_lite.auto.offload as offload
 from ..config import ConfigError, ParallelLayout
 from ..config.checks import integer_root
 from ..config.families import family
+from ..config.layout import EXPERT_TENSOR_MODES
 from ..config.job import DataSection, JobSpec, ModelSection, TrainSection
 from ..job.checks import check_rule
 from ..models import SizeRule
@@ -90,8 +93,9 @@ def splits_ok(spec, layout: ParallelLayout) -> bool:
 
 def split_error(spec, layout: ParallelLayout) -> Optional[str]:
     """The message of the first size rule of ``check_layout`` ``layout`` breaks (heads, kv
-    heads, hidden, vocabulary, sequence, image against the tensor family's splits); None
-    when it keeps them all."""
+    heads, hidden, vocabulary, sequence, image against the tensor family's splits), then of
+    the entry's own ``check(options, layout)`` (e.g. Llama's ``model.moe`` against
+    ``parallel.expert`` and the expert width against 1D); None when it keeps them all."""
     fam = family(layout.mode)
     rules = list(spec.entry.size_rules(spec.options))
     if spec.is_text:
@@ -99,9 +103,20 @@ def split_error(spec, layout: ParallelLayout) -> Optional[str]:
     try:
         for rule in rules:
             check_rule(rule, layout, fam)
+        if spec.entry.check is not None:
+            spec.entry.check(spec.options, layout)
     except ConfigError as err:
         return str(err)
     return None
+
+
+def expert_options(shape: ModelShape, layout: ParallelLayout) -> List[int]:
+    """The expert-parallel degrees E of ``layout`` (``parallel.expert``): for an MoE model
+    every E dividing both the data size and the experts (expert groups carved out of the
+    data axis); 1 for a dense model."""
+    if shape.moe is None:
+        return [1]
+    return [e for e in divisors(layout.data) if shape.moe.experts % e == 0]
 
 
 def layout_choices(shape: ModelShape, devices: int, batch: int
@@ -120,7 +135,16 @@ def layout_choices(shape: ModelShape, devices: int, batch: int
             for mode, depth in tensor_options(t):
                 for ring in ring_options(mode, t):
                     layout = ParallelLayout(p, t, mode, depth, d, ring=ring)
-                    yield layout, split_error(spec, layout)
+                    if shape.moe is not None and mode not in EXPERT_TENSOR_MODES:
+                        yield layout, (f"an MoE layer needs each token's hidden vector "
+                                       f"whole; tensor mode {mode!r} splits it (MoE runs "
+                                       f"with {EXPERT_TENSOR_MODES})")
+                        continue
+                    for expert in expert_options(shape, layout):
+                        if expert > 1:
+                            layout = ParallelLayout(p, t, mode, depth, d, ring=ring,
+                                                    expert=expert)
+                        yield layout, split_error(spec, layout)
 
 
 def layouts(shape: ModelShape, devices: int, batch: int) -> Iterator[ParallelLayout]:

@@ -169,7 +169,8 @@ def all_to_all_uneven(tensor: torch.Tensor, axis: AxisLike, send_counts: Sequenc
     """Rows of ``tensor`` (dim 0) sent in consecutive runs: the first ``send_counts[0]`` to
     local rank 0, the next ``send_counts[1]`` to rank 1, ...; returns the received rows
     concatenated in rank order (``recv_counts[r]`` from rank r; ``sum(recv_counts)`` rows).
-    Recorded as one all_to_all of the input's bytes (MoE token dispatch / combine)."""
+    Recorded as one all_to_all of the input's bytes (MoE token dispatch / combine), whose
+    wire bytes are those bytes (the caller sends only rows that leave the rank)."""
     ax = resolve(axis)
     send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
     if len(send_counts) != ax.size or len(recv_counts) != ax.size:
@@ -183,7 +184,7 @@ def all_to_all_uneven(tensor: torch.Tensor, axis: AxisLike, send_counts: Sequenc
         return _done(tensor, async_op)
     inp = tensor.detach().contiguous()
     out = inp.new_empty((sum(recv_counts),) + tuple(inp.shape[1:]))
-    record(ax.mode, 'all_to_all', _nbytes(inp), ax.size)
+    record(ax.mode, 'all_to_all', _nbytes(inp), ax.size, exact_wire=True)  # rows that leave
     work = dist.all_to_all_single(out, inp, output_split_sizes=recv_counts,
                                   input_split_sizes=send_counts, group=ax.group,
                                   async_op=async_op)

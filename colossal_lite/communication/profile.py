@@ -8,7 +8,9 @@ Two byte measures are recorded for each call, per calling rank:
 * ``wire_bytes``: what a ring (or pipelined chain) implementation moves in or
   out of the rank for that buffer of n bytes over p ranks:
   all_reduce 2(p-1)/p*n, all_gather and reduce_scatter (p-1)/p*n,
-  all_to_all (p-1)/p*n, broadcast and reduce n*(p-1)/p, send/recv n.
+  all_to_all (p-1)/p*n, broadcast and reduce n*(p-1)/p, send/recv n. A call
+  recorded with ``exact_wire=True`` (``all_to_all_uneven``, which records only
+  the rows that leave the rank) moves exactly its recorded bytes: wire = bytes.
 
 Ops on a group of one rank move nothing and are not recorded.
 """
@@ -48,19 +50,22 @@ class CommStats:
         self._bytes: Dict[Key, int] = defaultdict(int)
         # buffer bytes per (key, group size): integers on the hot path, the exact ring
         # factor applied when wire bytes are read
-        self._bytes_by_size: Dict[Tuple[Key, int], int] = defaultdict(int)
+        self._bytes_by_size: Dict[Tuple[Key, Optional[int]], int] = defaultdict(int)
 
-    def record(self, mode: ParallelMode, op: str, nbytes: int, group_size: int):
+    def record(self, mode: ParallelMode, op: str, nbytes: int, group_size: int,
+               exact_wire: bool = False):
+        """Count one call; ``exact_wire``: ``nbytes`` is already what leaves the rank (no
+        ring factor applies: kept under group size None)."""
         key = (mode, op)
         self._calls[key] += 1
         self._bytes[key] += nbytes
-        self._bytes_by_size[(key, group_size)] += nbytes
+        self._bytes_by_size[(key, None if exact_wire else group_size)] += nbytes
 
     @property
     def _wire(self) -> Dict[Key, Fraction]:
         wire: Dict[Key, Fraction] = defaultdict(Fraction)
         for ((mode, op), size), n in self._bytes_by_size.items():
-            wire[(mode, op)] += ring_wire_bytes(op, n, size)
+            wire[(mode, op)] += Fraction(n) if size is None else ring_wire_bytes(op, n, size)
         return wire
 
     def _sum(self, table, mode, op):
@@ -104,10 +109,11 @@ total_stats = CommStats()
 _active: List[CommStats] = []
 
 
-def record(mode: ParallelMode, op: str, nbytes: int, group_size: int):
-    total_stats.record(mode, op, nbytes, group_size)
+def record(mode: ParallelMode, op: str, nbytes: int, group_size: int,
+           exact_wire: bool = False):
+    total_stats.record(mode, op, nbytes, group_size, exact_wire)
     for stats in _active:
-        stats.record(mode, op, nbytes, group_size)
+        stats.record(mode, op, nbytes, group_size, exact_wire)
 
 
 @contextlib.contextmanager
