@@ -13,7 +13,6 @@ the expert-parallel degree E (``parallel.expert``) beside its other dimensions:
 """
 from __future__ import annotations
 
-import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -28,6 +27,7 @@ from colossal_lite.communication import CommStats
 from colossal_lite.config import ParallelLayout
 from colossal_lite.context import ParallelMode
 from colossal_lite.testing import run_distributed
+from tests.planned_runs import assert_planned_config_trains_like_serial
 
 MOE = dict(experts=4, top_k=2, ffn_hidden=32)
 OPTS = dict(vocab_size=256, max_positions=16, hidden=32, layers=3, heads=4, kv_heads=2,
@@ -173,30 +173,12 @@ TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab_si
             max_positions=32, moe=dict(experts=16, top_k=2, ffn_hidden=256))
 
 
-def _train_job(rank, steps):
-    from colossal_lite.context import global_context as gpc
-    from colossal_lite.worker import train
-    return train(gpc.settings, gpc.settings.job.with_steps(steps))['losses']
-
-
 def test_the_planned_expert_parallel_config_trains_like_serial(tmp_path):
     """16 experts of 256 x 64 in 2 layers on 4 devices with 12 MB each: E = 1 layouts do not
     fit or are slower; the plan (D = 2 x E = 2 x pipeline 2) written by ``to_py`` passes
     ``cli.check_job`` and trains two steps on 4 processes with the serial job's losses."""
-    from colossal_lite import cli
     planned = plan('llama:tiny', devices=4, memory_gb=0.012, batch=4, seq=32, **TINY)
     cand = planned.estimate.candidate
     assert cand.layout.expert > 1, planned.report()
     assert planned.config['parallel']['expert'] == cand.layout.expert
-    config = dict(planned.config, train=dict(planned.config['train'], log_every=1,
-                                             eval_batches=1, run_dir=str(tmp_path / 'run')))
-    path = tmp_path / 'planned.py'
-    path.write_text(dataclasses.replace(planned, config=config).to_py())
-    cfg, layout, spec = cli.check_job(str(path), 4, 2)
-    assert layout == cand.layout
-    losses = run_distributed(_train_job, 4, cfg.to_dict(), 2, timeout=400)
-    serial_cfg = dict(config, parallel=dict(data=1))
-    (serial,) = run_distributed(_train_job, 1, serial_cfg, 2, timeout=400)
-    assert len(serial) == 2
-    for got in losses:
-        assert got == pytest.approx(serial, rel=1e-5)
+    assert_planned_config_trains_like_serial(planned, tmp_path)

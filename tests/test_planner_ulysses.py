@@ -17,7 +17,6 @@ hybrid (``parallel.tensor.ring`` = R):
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from colossal_lite.auto.search import layouts, search, split_error, job_spec
 from colossal_lite.auto import load_profile
 from colossal_lite.config import ParallelLayout, load_config
 from colossal_lite.testing import run_distributed
+from tests.planned_runs import assert_planned_config_trains_like_serial
 
 ACT_OPTS = dict(vocab_size=256, max_positions=16, hidden=32, layers=2, heads=4, dropout=0.0)
 LLAMA_OPTS = dict(vocab_size=256, max_positions=16, hidden=32, layers=2, heads=4, kv_heads=2,
@@ -190,36 +190,18 @@ def test_ulysses_wins_a_long_sequence_and_not_a_short_one():
 RUN_MODEL = dict(hidden=64, heads=8, layers=2, vocab_size=256, max_positions=512)
 
 
-def _train_job(rank, steps):
-    from colossal_lite.context import global_context as gpc
-    from colossal_lite.worker import train
-    return train(gpc.settings, gpc.settings.job.with_steps(steps))['losses']
-
-
 def test_the_planned_ulysses_config_trains_like_serial(tmp_path):
     """``plan()`` (what ``colossal-lite plan`` runs) picks Ulysses for a 512-token GPT (8
     heads, h = 64) at batch 1 on 4 devices of the ``pcie8`` profile (pipeline 2 x Ulysses 2:
     on PCIe the all_to_all's bytes beat the ring's, on NVLink the ring's fewer latencies
     win for so small a model); its ``to_py`` file passes ``cli.check_job`` and trains two
     steps on 4 processes with the serial job's losses."""
-    from colossal_lite import cli
     planned = plan('gpt:tiny', devices=4, memory_gb=80, batch=1, seq=512, cluster='pcie8',
                    **RUN_MODEL)
     cand = planned.estimate.candidate
     assert cand.layout.mode == 'ulysses', planned.report()
     assert planned.config['parallel']['tensor']['mode'] == 'ulysses'
-    config = dict(planned.config, train=dict(planned.config['train'], log_every=1,
-                                             eval_batches=1, run_dir=str(tmp_path / 'run')))
-    path = tmp_path / 'planned.py'
-    path.write_text(dataclasses.replace(planned, config=config).to_py())
-    cfg, layout, spec = cli.check_job(str(path), 4, 2)
-    assert layout == cand.layout
-    losses = run_distributed(_train_job, 4, cfg.to_dict(), 2, timeout=400)
-    serial_cfg = dict(config, parallel=dict(data=1))
-    (serial,) = run_distributed(_train_job, 1, serial_cfg, 2, timeout=400)
-    assert len(serial) == 2
-    for got in losses:
-        assert got == pytest.approx(serial, rel=1e-5)
+    assert_planned_config_trains_like_serial(planned, tmp_path)
 
 
 # ---------------------------------------------------------------------------- is_causal
