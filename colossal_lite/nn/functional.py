@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..communication import collective as C
-from ..context import ProcessGroupAxis
+from ..context import ParallelMode, ProcessGroupAxis, current_context
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -60,6 +60,89 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
         return F.cross_entropy(logits.float(), target, ignore_index=ignore_index,
                                reduction='none')
     return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index)
+
+
+_ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, '_linear_pointwise', None)
+                  if torch.backends.mkldnn.is_available() else None)
+
+
+def _onednn_operand(t: Optional[torch.Tensor]) -> bool:
+    """A plain (not a subclass: DTensor, fake) dense fp32 CPU tensor with data."""
+    return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32
+                         and t.device.type == 'cpu' and t.layout == torch.strided
+                         and not t.is_meta)
+
+
+def _onednn_matmul(x: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [.., in] @ weight^T + bias`` by oneDNN's matmul (``x`` contiguous; the weight may
+    be any strided view, e.g. a transpose, read in place)."""
+    return _ONEDNN_LINEAR(x, weight, bias, 'none', [], '')
+
+
+def _forward_on_onednn() -> bool:
+    """Whether a forward matmul may run on oneDNN here. Its kernel takes a scratch buffer
+    (B-panel packing, up to ``64 * in * 4`` bytes + 1 KiB) from torch's CPU allocator for the
+    call, which the planner's memory model (``auto/memory.py``) has no term for. It cannot
+    raise a step's peak in a plain forward: everything live during it is still live at the
+    loss, where the log-softmax adds logits-sized buffers larger than the scratch. It can
+    where a forward runs at the peak: a pipeline stage (a later micro-batch's forward beside
+    earlier ones' activations) and the recompute of a checkpointed block (inside backward);
+    there the forward stays on ``F.linear``. The input gradient's oneDNN call uses the
+    weight in its stored layout and takes < 1 KiB."""
+    task = getattr(torch._C, '_current_graph_task_id', None)   # -1: not inside backward
+    return (task is not None and task() == -1
+            and current_context().axis(ParallelMode.PIPELINE).size == 1)
+
+
+class _DenseLinear(torch.autograd.Function):
+    """``F.linear`` whose input gradient (``dy W``), and forward (``x W^T + b``) where
+    :func:`_forward_on_onednn`, run on oneDNN; the weight gradient (``dy^T x``) runs on
+    aten's ``mm`` as ``F.linear``'s does (on oneDNN it would need a transposed copy of x or
+    dy). It saves what ``F.linear`` saves (``x`` and ``W``, no copy) and its backward makes
+    the tensors ``F.linear``'s makes (``dx``, ``dW``, ``db``), so a step allocates the same
+    tensors; only the kernels differ (fp32 rounding: oneDNN's blocking is not MKL's)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, onednn):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _onednn_matmul(x, weight, bias) if onednn else F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dw = db = None
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        if ctx.needs_input_grad[0]:
+            if dy2d.is_contiguous():
+                dx = _onednn_matmul(dy2d, weight.t())
+            else:
+                dx = dy2d.mm(weight)
+            dx = dx.view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = dy2d.t().mm(x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2d.sum(0)
+        return dx, dw, db, None
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of a one-rank (serial) layer. For contiguous fp32 CPU
+    tensors outside autocast and tracing it runs the input gradient, and the forward where
+    :func:`_forward_on_onednn`, on oneDNN: on AVX-512 CPUs about 2x MKL's fp32 rate (an AMD
+    EPYC here, where MKL keeps to its AVX2 kernels), with ``F.linear``'s saved tensors and
+    temporaries (:class:`_DenseLinear`). Otherwise it is ``F.linear``."""
+    if (_ONEDNN_LINEAR is None or x.dim() < 2 or not x.is_contiguous()
+            or not (_onednn_operand(x) and _onednn_operand(weight) and _onednn_operand(bias))
+            or torch.is_autocast_enabled('cpu') or torch.compiler.is_compiling()):
+        return F.linear(x, weight, bias)
+    onednn = _forward_on_onednn()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _DenseLinear.apply(x, weight, bias, onednn)
+    return _onednn_matmul(x, weight, bias) if onednn else F.linear(x, weight, bias)
 
 
 def matmul_dtype(*tensors: torch.Tensor) -> torch.dtype:

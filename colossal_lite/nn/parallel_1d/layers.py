@@ -30,7 +30,7 @@ from ...communication.collective import check_divisible
 from ...context import ParallelMode, ProcessGroupAxis, current_context, seed
 from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
 from ...tensor.adjacent import join_rows
-from ..functional import check_ids, vocab_range_lookup
+from ..functional import check_ids, dense_linear, vocab_range_lookup
 from .overlap import column_matmul, column_matmul_rows
 
 def default_axis() -> ProcessGroupAxis:
@@ -119,6 +119,8 @@ class ColumnLinear1D(ShardedModule):
         return self.weight, self.bias
 
     def forward(self, x):
+        if self.axis.size == 1:  # serial: F.linear on oneDNN (functional.dense_linear)
+            return dense_linear(x, self.weight, self.bias)
         seq_dim = tokens_dim(self.seq_dim, x)
         y = column_matmul(x, self.weight, self.bias, self.axis, seq_dim)
         if not self.gather_output:
@@ -155,7 +157,8 @@ class RowLinear1D(ShardedModule):
             x = split_to(x, self.axis, -1)
         seq_dim = tokens_dim(self.seq_dim, x)
         if seq_dim is None:
-            y = reduce_from(F.linear(x, self.weight), self.axis, inplace=True)
+            local = dense_linear if self.axis.size == 1 else F.linear
+            y = reduce_from(local(x, self.weight), self.axis, inplace=True)
             return y + self.bias if self.bias is not None else y
         check_sequence_block(x.shape[seq_dim], self.axis)
         y = reduce_scatter_to(F.linear(x, self.weight), self.axis, seq_dim)
@@ -198,6 +201,8 @@ def qkv_1d(x, query: ColumnLinear1D, key, value):
                      and layer.axis.group is query.axis.group, "'enter' (gather_output=False) "
                      'over one axis')
     seq_dim = query.seq_dim
+    if query.axis.size == 1:  # serial: one F.linear of the joined rows, on oneDNN
+        return fused_projection(x, layers, lambda w, b: dense_linear(x, w, b))
     if not any(isinstance(layer, GroupedKVLinear1D) for layer in layers):
         return fused_projection(x, layers, lambda w, b: column_matmul_rows(
             x, w, b, query.axis, seq_dim), blocks=True)
@@ -419,7 +424,11 @@ class VocabParallelClassifier1D(ShardedModule):
                                   init=bias_init or linear_bias_init(in_features)) if bias else None
 
     def forward(self, x):
-        logits = column_matmul(x, self.weight, self.bias, self.axis, tokens_dim(self.seq_dim, x))
+        if self.axis.size == 1:  # serial: F.linear on oneDNN (functional.dense_linear)
+            logits = dense_linear(x, self.weight, self.bias)
+        else:
+            logits = column_matmul(x, self.weight, self.bias, self.axis,
+                                   tokens_dim(self.seq_dim, x))
         return tag(logits, (-1, self.axis))
 
 
