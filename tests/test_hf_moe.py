@@ -18,8 +18,8 @@ from colossal_lite.generation import generate
 from colossal_lite.testing import full_outputs, max_rel_diff, replica_batch, run_distributed
 from model_zoo import Llama
 from tests.test_hf_conversion import _randomized, _transformers, assert_equal_logits
+from tests.test_hf_llama import V, hf_logits, ids
 
-V = 251
 TYPES = ('mixtral', 'qwen2_moe')
 CLASSES = {'mixtral': 'MixtralForCausalLM', 'qwen2_moe': 'Qwen2MoeForCausalLM'}
 TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -38,15 +38,6 @@ def hf_moe(model_type, **cfg):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return _randomized(getattr(tf, CLASSES[model_type])(config))
-
-
-def ids(batch=4, seq=8):
-    return torch.randint(0, V, (batch, seq), generator=torch.Generator().manual_seed(7))
-
-
-def hf_logits(model):
-    with torch.no_grad():
-        return [model(input_ids=ids()).logits]
 
 
 def our_logits(model):
