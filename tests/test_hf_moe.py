@@ -18,7 +18,7 @@ from colossal_lite.generation import generate
 from colossal_lite.testing import full_outputs, max_rel_diff, replica_batch, run_distributed
 from model_zoo import Llama
 from tests.test_hf_conversion import _randomized, _transformers, assert_equal_logits
-from tests.test_hf_llama import V, hf_logits, ids
+from tests.test_hf_llama import PROMPT, V, hf_greedy, hf_logits, ids
 
 TYPES = ('mixtral', 'qwen2_moe')
 CLASSES = {'mixtral': 'MixtralForCausalLM', 'qwen2_moe': 'Qwen2MoeForCausalLM'}
@@ -46,7 +46,6 @@ def our_logits(model):
         return full_outputs(model.eval()(replica_batch(ids())))
 
 
-PROMPT = torch.tensor([[5, 17, 200, 3, 99], [8, 8, 150, 42, 7]])
 NEW_TOKENS = 6
 
 
@@ -63,9 +62,7 @@ def test_serial_logits_generation_and_save_hf_equal_transformers(model_type, tmp
         assert ours.state_dict()['blocks.1.mlp.shared_expert_gate.weight'].abs().max() > 0
     expected = hf_logits(hf)
     assert_equal_logits(our_logits(ours), expected)
-    with torch.no_grad():
-        theirs = hf.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=False,
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
+    theirs = hf_greedy(hf, PROMPT, NEW_TOKENS)
     assert torch.equal(generate(ours, PROMPT, NEW_TOKENS), theirs)
     ours.save_hf(tmp_path)
     back = getattr(tf, CLASSES[model_type]).from_pretrained(tmp_path, local_files_only=True)
