@@ -31,7 +31,11 @@ Backward recomputes each block's probabilities from lse (``P = exp(S - lse)``) w
 
 kv travels again (P-1 exchanges); dq accumulates locally; the fp32 accumulator
 ``[dk; dv]`` of block j is started by rank j+1 (the owner keeps its own term), passes
-j+2, ..., j-1 and arrives at j: P-1 exchanges. Bytes per rank (``e`` the element size of
+j+2, ..., j-1 and arrives at j: P-1 exchanges. Each rank adds its term into the arriving
+sum itself (the exchange bringing it is waited for before the step's blocks), so the
+kv-sized buffers live during a step are at most four for any P: the block in use, the one
+arriving, the owner's term and the sum -- the peak per rank is a function of s/P alone,
+and the longest sequence in a fixed budget doubles with P. Bytes per rank (``e`` the element size of
 k and v)::
 
     forward   (P-1) * 2 b (s/P) n_kv d e
@@ -262,7 +266,7 @@ def _ring_forward(loc: _Local, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 acc[a] = acc[a] * corr + torch.matmul(pv.to(dtype), values).to(loc.acc)
                 m[a] = m_new
         if pending is not None:
-            kv = pending.wait()
+            kv, pending = pending.wait(), None   # drop the sent block with its work
     empty = [x == 0 for x in lsum]      # a query with no key to attend to gets zeros
     outs = [(x / l.masked_fill(e, 1.0)).masked_fill(e, 0.0) for x, l, e in zip(acc, lsum, empty)]
     lses = [(mx + l.log()).masked_fill(e, float('inf')) for mx, l, e in zip(m, lsum, empty)]
@@ -282,10 +286,13 @@ def _ring_backward(loc: _Local, q, k, v, out, lse, grad, dtype):
     lses = [lse5[:, :, i].reshape(loc.b, sp.kv_heads, sp.group * loc.c, 1) for i in range(len(qs))]
     dq = [loc.zeros(x.shape) for x in qs]
     kv = torch.stack([loc.kv_heads(k, dtype), loc.kv_heads(v, dtype)])
-    own, acc, sent = None, None, None
+    own, arriving = None, None      # arriving: the exchange bringing block (r-t)'s sum
     for t in range(axis.size):
         pending = ring_exchange(kv, axis, async_op=True) if t < axis.size - 1 else None
-        term = loc.zeros(kv.shape)                                              # [dk; dv] fp32
+        if arriving is None:
+            term = loc.zeros(kv.shape)                     # [dk; dv] fp32: a sum starts here
+        else:   # add into the arriving sum itself: no separate term next to it in flight
+            term, arriving = arriving.wait(), None
         for blk in loc.blocks((axis.rank - t) % axis.size):
             a = blk.qi
             for tile in loc.tiles(blk):
@@ -304,11 +311,11 @@ def _ring_backward(loc: _Local, q, k, v, out, lse, grad, dtype):
         if t == 0:
             own = term                      # the owner's term waits for the travelling sum
         else:
-            acc = term if sent is None else sent.wait().add_(term)
-            sent = ring_exchange(acc, axis, async_op=True)   # block (r-t)'s sum goes to r+1
+            arriving = ring_exchange(term, axis, async_op=True)  # block (r-t)'s sum to r+1
+        term = None
         if pending is not None:
-            kv = pending.wait()
-    dkv = own if sent is None else sent.wait().add_(own)
+            kv, pending = pending.wait(), None
+    dkv = own if arriving is None else arriving.wait().add_(own)
     dq = loc.from_query_chunks([x * loc.scale for x in dq], q.dtype)
     return dq, loc.from_kv_heads(dkv[0], k.dtype), loc.from_kv_heads(dkv[1], v.dtype)
 
