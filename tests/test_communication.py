@@ -70,6 +70,39 @@ def test_collectives_values_and_exact_counts():
     assert torch.equal(results[3]['recv'], torch.tensor([7.0, 8.0]))
 
 
+def _pairwise(rank):
+    """all_gather / reduce_scatter as one all_to_all (``pairwise``) against the backend's."""
+    x = torch.randn(4, 8, 3, generator=torch.Generator().manual_seed(rank))
+    out = {'prefers': comm.prefers_pairwise(PM.GLOBAL)}
+    for dim in (0, 1):
+        with comm.comm_profile() as native_stats:
+            native = (comm.all_gather(x, PM.GLOBAL, dim), comm.reduce_scatter(x, PM.GLOBAL, dim))
+        with comm.comm_profile() as pair_stats:
+            gathered = comm.all_gather(x, PM.GLOBAL, dim, async_op=True, pairwise=True).wait()
+            summed = comm.reduce_scatter(x, PM.GLOBAL, dim, async_op=True, pairwise=True).wait()
+        out[dim] = (native, (gathered, summed),
+                    [(s.calls(m, op), s.bytes(m, op), s.wire_bytes(m, op))
+                     for s in (native_stats, pair_stats) for m, op in sorted(s.keys())])
+    try:
+        comm.reduce_scatter(x, PM.GLOBAL, 0, op=torch.distributed.ReduceOp.MAX, pairwise=True)
+    except ValueError as err:
+        out['max_error'] = str(err)
+    return out
+
+
+def test_pairwise_all_gather_and_reduce_scatter_equal_the_backend_and_count_the_same():
+    results = run_distributed(_pairwise, WORLD, None, timeout=300)
+    for out in results:
+        assert out['prefers'] is True          # gloo
+        for dim in (0, 1):
+            (ag, rs), (ag_pair, rs_pair), counts = out[dim]
+            assert torch.equal(ag_pair, ag)
+            torch.testing.assert_close(rs_pair, rs, rtol=1e-6, atol=1e-6)
+            assert rs_pair.shape == rs.shape and rs_pair.is_contiguous()
+            assert counts[:2] == counts[2:]    # same calls, bytes and wire bytes recorded
+        assert 'sums' in out['max_error']
+
+
 def _autograd_pairs(rank):
     axis = comm.resolve(PM.GLOBAL)
     grads = {}

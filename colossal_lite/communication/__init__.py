@@ -8,8 +8,8 @@ autograd conjugate pairs (``copy_to``/``reduce_from``, ``split_to``/``gather_fro
 counter (``comm_profile``).
 """
 from .collective import (Pending, all_gather, all_reduce, all_to_all, all_to_all_uneven,
-                         barrier, broadcast, check_divisible, reduce, reduce_scatter, resolve,
-                         split)
+                         barrier, broadcast, check_divisible, prefers_pairwise, reduce,
+                         reduce_scatter, resolve, split)
 from .mappings import (all_gather_to, all_to_all_rows, all_to_all_to, copy_to, gather_from,
                        reduce_from, reduce_scatter_to, split_to)
 from .p2p import recv, ring_exchange, send
@@ -17,7 +17,7 @@ from .profile import CommStats, comm_profile, ring_wire_bytes, total_stats
 
 __all__ = ['Pending', 'all_gather', 'all_reduce', 'all_to_all', 'all_to_all_uneven',
            'all_to_all_rows', 'barrier', 'broadcast',
-           'check_divisible', 'reduce', 'reduce_scatter', 'resolve', 'split', 'all_gather_to',
+           'check_divisible', 'prefers_pairwise', 'reduce', 'reduce_scatter', 'resolve', 'split', 'all_gather_to',
            'all_to_all_to', 'copy_to', 'gather_from', 'reduce_from', 'reduce_scatter_to',
            'split_to', 'recv', 'ring_exchange', 'send', 'CommStats', 'comm_profile',
            'ring_wire_bytes', 'total_stats']

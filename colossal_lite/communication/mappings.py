@@ -89,13 +89,13 @@ class _AllGatherTo(torch.autograd.Function):
 
 class _ReduceScatterTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return C.reduce_scatter(x, axis, dim)
+    def forward(ctx, x, axis, dim, pairwise):
+        ctx.axis, ctx.dim, ctx.pairwise = axis, dim, pairwise
+        return C.reduce_scatter(x, axis, dim, pairwise=pairwise)
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_gather(grad, ctx.axis, ctx.dim), None, None
+        return C.all_gather(grad, ctx.axis, ctx.dim, pairwise=ctx.pairwise), None, None, None
 
 
 class _AllToAllTo(torch.autograd.Function):
@@ -159,10 +159,12 @@ def all_gather_to(x: torch.Tensor, axis: AxisLike, dim: int) -> torch.Tensor:
     return x if trivial else _AllGatherTo.apply(x, ax, dim)
 
 
-def reduce_scatter_to(x: torch.Tensor, axis: AxisLike, dim: int) -> torch.Tensor:
-    """Reduce-scatter along ``dim`` forward; all-gather of the gradient backward."""
+def reduce_scatter_to(x: torch.Tensor, axis: AxisLike, dim: int,
+                      pairwise: bool = False) -> torch.Tensor:
+    """Reduce-scatter along ``dim`` forward; all-gather of the gradient backward
+    (``pairwise``: both as one all_to_all, :func:`.collective.prefers_pairwise`)."""
     ax, trivial = _skip(axis)
-    return x if trivial else _ReduceScatterTo.apply(x, ax, dim)
+    return x if trivial else _ReduceScatterTo.apply(x, ax, dim, pairwise)
 
 
 def all_to_all_to(x: torch.Tensor, axis: AxisLike, scatter_dim: int, gather_dim: int

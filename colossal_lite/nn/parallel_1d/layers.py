@@ -13,7 +13,8 @@ opens with an all_gather along the sequence (backward: reduce_scatter of dx) ins
 the identity (backward: all_reduce), and closes with a reduce_scatter along the sequence
 instead of an all_reduce -- the same bytes, and the norms, dropout and residuals between
 regions hold 1/p of the tokens. Their replicated weights see only the local tokens, so
-their gradients are summed over the group (``copy_to``).
+their gradients are summed over the group (``copy_to``). On gloo each of these
+all_gathers and reduce_scatters is one all_to_all (``collective.prefers_pairwise``).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...communication import copy_to, gather_from, reduce_from, reduce_scatter_to, split_to
-from ...communication.collective import check_divisible
+from ...communication.collective import check_divisible, prefers_pairwise
 from ...context import ParallelMode, ProcessGroupAxis, current_context, seed
 from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
 from ...tensor.adjacent import join_rows
@@ -161,7 +162,8 @@ class RowLinear1D(ShardedModule):
             y = reduce_from(local(x, self.weight), self.axis, inplace=True)
             return y + self.bias if self.bias is not None else y
         check_sequence_block(x.shape[seq_dim], self.axis)
-        y = reduce_scatter_to(F.linear(x, self.weight), self.axis, seq_dim)
+        y = reduce_scatter_to(F.linear(x, self.weight), self.axis, seq_dim,
+                              pairwise=prefers_pairwise(self.axis))
         return y + copy_to(self.bias, self.axis) if self.bias is not None else y
 
 
@@ -361,7 +363,8 @@ class VocabParallelEmbedding1D(ShardedModule):
         if self.seq_dim is None:
             return reduce_from(out, self.axis)
         check_sequence_block(ids.shape[self.seq_dim], self.axis)
-        return reduce_scatter_to(out, self.axis, self.seq_dim)
+        return reduce_scatter_to(out, self.axis, self.seq_dim,
+                                 pairwise=prefers_pairwise(self.axis))
 
 
 def embedding_init(padding_idx: Optional[int], base: Optional[Init] = None) -> Init:

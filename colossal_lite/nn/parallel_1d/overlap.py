@@ -53,7 +53,8 @@ class _ColumnMatmul(torch.autograd.Function):
         if cast is not None:
             x, weight = x.to(cast), weight.to(cast)
             bias = None if bias is None else bias.to(cast)
-        full = x if seq_dim is None else C.all_gather(x, axis, seq_dim)
+        full = x if seq_dim is None else C.all_gather(x, axis, seq_dim,
+                                                      pairwise=C.prefers_pairwise(axis))
         with torch.autocast(device_type=device_type, enabled=False):
             y = F.linear(full, weight, bias)
         ctx.save_for_backward(x, weight)
@@ -69,10 +70,12 @@ class _ColumnMatmul(torch.autograd.Function):
             full = x
             pending = C.all_reduce(dy.matmul(weight), ctx.axis, async_op=True, inplace=True)
         else:
-            gathering = C.all_gather(x, ctx.axis, ctx.seq_dim, async_op=True)
+            pairwise = C.prefers_pairwise(ctx.axis)
+            gathering = C.all_gather(x, ctx.axis, ctx.seq_dim, async_op=True, pairwise=pairwise)
             dx_full = dy.matmul(weight)
             full = gathering.wait()
-            pending = C.reduce_scatter(dx_full, ctx.axis, ctx.seq_dim, async_op=True)
+            pending = C.reduce_scatter(dx_full, ctx.axis, ctx.seq_dim, async_op=True,
+                                       pairwise=pairwise)
         dy2d = dy.reshape(-1, dy.shape[-1])
         dw = dy2d.t().matmul(full.reshape(-1, full.shape[-1])).to(w_dtype).split(ctx.rows)
         db = dy2d.sum(0).to(b_dtype).split(ctx.rows) if ctx.has_bias else ()
