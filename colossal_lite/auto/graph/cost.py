@@ -3,7 +3,8 @@
 **Compute** of a node, forward + backward = ``3 * flops / (rate * ways) + 3 * overhead``, where
 ``ways`` is the product of the mesh axes its output is Shard or Partial on (the work is split
 there), ``rate`` the profile's FLOP rate and ``overhead`` its per-kernel time. Flops:
-``2 M K N`` for mm/addmm (times the batch for bmm), ``4 B H Sq Sk D`` for attention, ``2 *
+``2 M K N`` for mm/addmm (times the batch for bmm; ``2 S i o`` for a grouped expert matmul,
+``experts.py``), ``4 B H Sq Sk D`` for attention, ``2 *
 out * Cin/groups * prod(kernel)`` for convolution, the output's element count otherwise.
 
 **Redistribution** of a tensor of B bytes from placements ``src`` to ``dst``, one mesh axis i
@@ -54,6 +55,7 @@ from .solver import Edge, Problem
 from .space import Space
 from .plan import names
 from .strategies import VIEW_OPS
+from .experts import grouped_mm_flops, is_grouped_mm
 from .local_rules import inner_collectives
 from .liveness import Liveness
 
@@ -83,6 +85,8 @@ def flops(node: torch.fx.Node) -> float:
     if op is aten.bmm.default:
         a, b = args[0], args[1]
         return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    if is_grouped_mm(op):
+        return grouped_mm_flops(node)
     if op is aten.scaled_dot_product_attention.default:
         q, k = args[0], args[1]
         return 4.0 * _numel(q) * k.shape[-2]

@@ -195,7 +195,7 @@ class GraphRunner(torch.fx.Interpreter):
             out = torch.split(args[0], args[0].shape[dim] // pieces, dim=dim)
         elif strategy.local and strategy.inputs and strategy.inputs[0] is not None:
             out = run_local(node, args, self.mesh, strategy.inputs[0],
-                                        strategy.outputs[0] or ())
+                            strategy.outputs[0] or (), strategy.inputs)
         if out is None:
             out = node.target(*args, **kwargs)
         out = self._place_outputs(node, out, strategy)

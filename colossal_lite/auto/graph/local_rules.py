@@ -1,5 +1,5 @@
-"""Rules DTensor lacks, run on local shards: the vocab-parallel loss and embedding, and the
-row-parallel matmul with a bias.
+"""Rules DTensor lacks, run on local shards: the vocab-parallel loss and embedding, the
+row-parallel matmul with a bias, and grouped expert matmuls (``experts.py``).
 
 **Class split.** A causal LM's loss decomposes into ``log_softmax(logits, -1)``, ``gather``
 of each target's entry, a mean; its embedding is a row lookup. With the vocabulary split
@@ -31,6 +31,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .experts import grouped_mm_rules, is_grouped_mm, run_grouped_mm
 
 aten = torch.ops.aten
 
@@ -82,9 +84,12 @@ class _LogSoftmax(torch.autograd.Function):
 
 
 def run_local(node: torch.fx.Node, args: Sequence, mesh: DeviceMesh, placements,
-              out_placements=()) -> object:
+              out_placements=(), inputs=()) -> object:
     """Run ``node`` on local shards by one of these rules (``placements``: its first tensor
-    input's, ``out_placements``: its output's); None when none applies."""
+    input's, ``out_placements``: its output's, ``inputs``: every input's); None when none
+    applies (the op itself runs on the local shards)."""
+    if is_grouped_mm(node.target):
+        return run_grouped_mm(node, args, mesh, inputs)
     if node.target is LOG_SOFTMAX:
         x, dim = args[0], args[1] % args[0].dim()
         axes = split_axes(placements, dim)
@@ -123,7 +128,9 @@ def run_local(node: torch.fx.Node, args: Sequence, mesh: DeviceMesh, placements,
 def local_rules(node: torch.fx.Node, k: int, slots: Sequence) -> List[tuple]:
     """Per-axis ``(inputs, outputs)`` of these rules on an axis of size k (``slots``: the
     node's flattened arguments, tensor ones as nodes, others None); empty for other ops or
-    a class dim k does not divide."""
+    a class dim k does not divide. Grouped expert matmuls: ``experts.py``."""
+    if is_grouped_mm(node.target):
+        return grouped_mm_rules(node, k, slots)
     if node.target is ADDMM:
         if len(node.args) > 3 or node.kwargs or node.args[0].meta['val'].dim() != 1 \
                 or node.args[1].meta['val'].shape[1] % k:

@@ -286,7 +286,7 @@ def _axis_strategies(node: torch.fx.Node, k: int) -> Tuple[List[Strategy], bool]
     rules, ruled = _plain_axis_strategies(node, k)
     local = [Strategy(ins, outs, local=True)
              for ins, outs in local_rules(node, k, tensor_args(node))]
-    return rules + strided_rules(node, k) + local, ruled
+    return rules + strided_rules(node, k) + local, ruled or bool(local)
 
 
 def _plain_axis_strategies(node: torch.fx.Node, k: int) -> Tuple[List[Strategy], bool]:
