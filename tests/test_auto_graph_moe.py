@@ -13,14 +13,20 @@ MESH = {'data': 2, 'tensor': 2}
 LAYERS = 2
 
 
-def tiny_mixtral():
+def tiny_moe(kind: str):
+    """transformers' Mixtral or Qwen2-MoE (shared expert and its gate), 4 experts, top-2."""
     from tests.test_auto_graph import WithLabels
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=512,
-                                     num_hidden_layers=LAYERS, num_attention_heads=4,
-                                     num_key_value_heads=2, max_position_embeddings=64,
-                                     num_local_experts=4, num_experts_per_tok=2)
-    return WithLabels(transformers.MixtralForCausalLM(cfg))
+    common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  num_experts_per_tok=2)
+    if kind == 'mixtral':
+        cfg = transformers.MixtralConfig(intermediate_size=512, num_local_experts=4, **common)
+        return WithLabels(transformers.MixtralForCausalLM(cfg))
+    cfg = transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=512,
+                                      shared_expert_intermediate_size=128, num_experts=4,
+                                      decoder_sparse_step=1, mlp_only_layers=[], **common)
+    return WithLabels(transformers.Qwen2MoeForCausalLM(cfg))
 
 
 def ids_batch(seed):
@@ -49,18 +55,18 @@ def test_experts_mm_of_each_expert_group_sums_to_the_grouped_matmul():
     assert torch.count_nonzero(experts_mm(x, w[:1], offs, 0)[3:]) == 0   # expert 0's rows only
 
 
-def _expert_parallel_steps(rank):
+def _expert_parallel_steps(rank, kind):
     warnings.simplefilter('ignore')
     from colossal_lite.auto import parallelize
     from colossal_lite.communication.profile import comm_profile
     from tests.test_auto_graph import lm_loss
     pins = {f'model.model.layers.{layer}.mlp.experts.{name}': ['R', 'S0']
             for layer in range(LAYERS) for name in ('gate_up_proj', 'down_proj')}
-    model, plan = parallelize(tiny_mixtral(), (ids_batch(1),), loss_fn=lm_loss, mesh=MESH,
+    model, plan = parallelize(tiny_moe(kind), (ids_batch(1),), loss_fn=lm_loss, mesh=MESH,
                               pins=pins)
     grouped = [name for name, node in plan.nodes.items() if 'grouped_mm' in node['op']]
     # the planner's own choice is free; the expert split is forced to check its numerics
-    model, plan = parallelize(tiny_mixtral(), (ids_batch(1),), loss_fn=lm_loss, mesh=MESH,
+    model, plan = parallelize(tiny_moe(kind), (ids_batch(1),), loss_fn=lm_loss, mesh=MESH,
                               pins={**pins, **{name: ['R', 'P'] for name in grouped}})
     out = {}
     for name, ids in (('example', ids_batch(1)), ('other', ids_batch(2))):
@@ -77,13 +83,14 @@ def _expert_parallel_steps(rank):
     return out
 
 
-def test_hf_mixtral_with_experts_split_over_tensor_equals_serial():
-    """transformers' Mixtral planned on data 2 x tensor 2 with each rank of the tensor axis
+@pytest.mark.parametrize('kind', ['mixtral', 'qwen2_moe'])
+def test_hf_moe_with_experts_split_over_tensor_equals_serial(kind):
+    """transformers' Mixtral / Qwen2-MoE planned on data 2 x tensor 2 with each rank of the tensor axis
     holding two of the four experts: loss and gradients equal the serial model on the example
     batch and on another batch (other routing), through the lowered program; the experts
     are never gathered (the only tensor-axis traffic is activations' all_reduce)."""
-    results = run_distributed(_expert_parallel_steps, 4, None, timeout=600)
-    serial = tiny_mixtral()
+    results = run_distributed(_expert_parallel_steps, 4, None, kind, timeout=600)
+    serial = tiny_moe(kind)
     for name, seed in (('example', 1), ('other', 2)):
         serial.zero_grad()
         ids = ids_batch(seed)
