@@ -108,3 +108,4 @@ def test_hf_moe_with_experts_split_over_tensor_equals_serial(kind):
         assert node['in'][1] == ['R', 'S0'] and node['out'] == [['R', 'P']]
     assert not any('grouped_mm' in op for op in first['unruled'])
     assert not any('all_gather' in op for op in first['ops']), first['ops']
+
