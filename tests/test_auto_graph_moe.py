@@ -77,6 +77,9 @@ def _expert_parallel_steps(rank, kind):
                 loss.backward()
         out[name] = (loss.item(), {n: p.grad.full_tensor() for n, p in model.named_parameters()})
     out['ops'] = sorted({str(op) for op in stats._bytes})
+    out['bytes'] = ({op: stats.bytes(op=op) for op in ('all_reduce', 'all_gather',
+                     'reduce_scatter', 'all_to_all') if stats.bytes(op=op)},
+                    plan.predicted['comm_bytes'])
     out['grouped'] = {name: plan.nodes[name] for name in grouped}
     out['unruled'] = plan.unruled
     out['lowered_failure'] = model.lowered.failure
@@ -108,4 +111,6 @@ def test_hf_moe_with_experts_split_over_tensor_equals_serial(kind):
         assert node['in'][1] == ['R', 'S0'] and node['out'] == [['R', 'P']]
     assert not any('grouped_mm' in op for op in first['unruled'])
     assert not any('all_gather' in op for op in first['ops']), first['ops']
+    measured, predicted = first['bytes']
+    assert measured == predicted and measured     # the planner prices the region's edges
 

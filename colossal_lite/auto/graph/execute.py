@@ -92,7 +92,10 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 class _GradToPlacement(torch.autograd.Function):
-    """Identity on a parameter; its gradient is redistributed to the parameter's placements."""
+    """Identity on a parameter, or on a local op's input; its gradient is redistributed to the
+    forward placements at once: a Partial gradient (the dual rule) is reduced at the edge,
+    where the planner prices it, not wherever DTensor's lazy propagation meets an op that
+    needs it whole (which can be a larger tensor, e.g. after a cat)."""
 
     @staticmethod
     def forward(ctx, param):
@@ -181,6 +184,8 @@ class GraphRunner(torch.fx.Interpreter):
             if isinstance(value, torch.Tensor):
                 value = self._to(value, want)
                 if strategy.local and node.target not in _VIEWS:
+                    if value.requires_grad:
+                        value = _GradToPlacement.apply(value)
                     value = value.to_local(grad_placements=_grad_placements(
                         value.placements, strategy.outputs[0]))
             moved.append(value)
