@@ -8,13 +8,15 @@ resume) loads it. Per rank: the RSS growth from just before ``load`` to its peak
 ``load`` (the kernel's high-water mark ``VmHWM``, reset through ``/proc/self/clear_refs``
 right before the call), against
 
-* ``local``: the bytes of what the rank holds after the load -- its parameter shards and
-  its Adam slots (``exp_avg``, ``exp_avg_sq``, ``step``);
+* ``new``: the bytes the load brings into being on the rank -- its Adam slots
+  (``exp_avg``, ``exp_avg_sq``, ``step``); the parameter shards existed before the call and
+  are loaded in place, so they are in the RSS before ``load`` and not in the delta;
 * ``largest``: the largest single tensor of the checkpoint at its full shape.
 
-``ratio = peak delta / (local + largest)``; <= 1 means the load stays in budget. The
-parameters existed before the load, so the delta counts the new slots, DCP's targets and
-read buffers. Run: ``python benchmarks/checkpoint_load_memory.py``; writes
+``ratio = peak delta / (new + largest)``; <= 1 means the load stays in budget. Numerator and
+denominator count the same things: what did not exist before the call (the new slots, DCP's
+targets and read buffers). The parameter bytes are recorded too (``param_bytes``).
+Run: ``python benchmarks/checkpoint_load_memory.py``; writes
 ``benchmarks/results/checkpoint_load_memory.json``.
 """
 from __future__ import annotations
@@ -77,10 +79,10 @@ def _load_peak(rank, path):
         f.write('5')                                 # reset VmHWM to the current RSS
     checkpoint.load(path, engine)
     peak = _kib('VmHWM')
-    local = sum(_tensor_bytes(p) for p in engine.model.parameters())
-    local += sum(_tensor_bytes(v) for state in engine.optimizer.state.values()
-                 for v in state.values())
-    return dict(rank=rank, delta=(peak - before) * 1024, local=local)
+    params = sum(_tensor_bytes(p) for p in engine.model.parameters())
+    slots = sum(_tensor_bytes(v) for state in engine.optimizer.state.values()
+                for v in state.values())
+    return dict(rank=rank, delta=(peak - before) * 1024, new=slots, param_bytes=params)
 
 
 def _largest(path) -> int:
@@ -99,14 +101,14 @@ def main():
         run_distributed(_train_and_save, SAVE[1], SAVE[2], path, timeout=600)
         largest = _largest(path)
         saved = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-        rows, cases = [['load into', 'rank', 'peak delta MB', 'local MB', 'largest MB',
+        rows, cases = [['load into', 'rank', 'peak delta MB', 'new MB', 'largest MB',
                         'ratio']], []
         for name, world, cfg in LOADS:
             for r in run_distributed(_load_peak, world, cfg, path, timeout=600):
-                ratio = r['delta'] / (r['local'] + largest)
+                ratio = r['delta'] / (r['new'] + largest)
                 cases.append(dict(load_into=name, world=world, largest=largest, ratio=ratio, **r))
                 rows.append([name, str(r['rank']), f"{r['delta'] / 1e6:.1f}",
-                             f"{r['local'] / 1e6:.1f}", f'{largest / 1e6:.1f}', f'{ratio:.2f}'])
+                             f"{r['new'] / 1e6:.1f}", f'{largest / 1e6:.1f}', f'{ratio:.2f}'])
     print(f'saved under {SAVE[0]}: {saved / 1e6:.1f} MB on disk')
     print_table(rows)
     out = write_json('checkpoint_load_memory', dict(

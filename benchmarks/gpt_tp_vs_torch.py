@@ -5,14 +5,16 @@ Both start from one ``GPT2LMHeadModel`` (seed 0, same on every rank):
 
 * ours: ``model_zoo.hf.gpt_from_hf`` under ``tensor=dict(mode='1d', size=tp)`` (column /
   row linears, fused head-aligned q/k/v, vocab-parallel embedding and LM head);
-* torch: the same HF model with its ``Conv1D`` layers turned into ``nn.Linear`` (what
-  ``ColwiseParallel`` / ``RowwiseParallel`` accept), ``c_attn``'s rows reordered into
-  the blocked order ``[q_0; k_0; v_0; q_1; ...]`` so that torch's contiguous row shard
-  gives each rank whole heads, and ``attn.split_size = h / tp``; then
-  ``parallelize_module`` with c_attn, c_fc colwise and both c_proj rowwise (embeddings,
-  LM head and layer norms replicated: HF's loss needs the full logits, so neither
-  torch's ``loss_parallel`` nor SequenceParallel is applied; ours splits the vocabulary,
-  which is part of the measured difference).
+* torch: the same weights in ``TorchGPT``, a GPT-2 of plain ``nn.Embedding`` / ``nn.Linear``
+  modules (HF's ``Conv1D`` is not what torch's parallel styles accept), ``c_attn``'s rows
+  reordered into the blocked order ``[q_0; k_0; v_0; q_1; ...]`` so that torch's contiguous
+  row shard gives each rank whole heads; then ``parallelize_module`` laid out as torchtitan
+  does: c_attn, c_fc colwise and both projections rowwise, the token embedding
+  vocab-parallel (``RowwiseParallel(input_layouts=Replicate())``), the LM head colwise with
+  its logits left sharded over the vocabulary (``output_layouts=Shard(-1)``,
+  ``use_local_output=False``) and the cross entropy (and its backward) under
+  ``loss_parallel()``, so torch never gathers the full logits either; the head stays tied
+  to the embedding as in ours. Layer norms and position embeddings replicated on both sides.
 
 The script checks that both give the same loss on the same batch, then times forward +
 loss + backward + AdamW step, alternated round by round, on tp forked ranks (gloo, one
@@ -45,8 +47,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks._common import (adamw_step as step_fn, environment, print_table,  # noqa: E402
-                                timed_ratios, write_json)
+from benchmarks._common import (adamw_step as step_fn, environment, load_average,  # noqa: E402
+                                print_table, timed_ratios, write_json)
+
+WHAT = ('GPT-2-shaped training step (fwd, loss, bwd, AdamW), 1D tensor parallel vs torch '
+        'parallelize_module (vocab-parallel embedding, colwise LM head, loss_parallel) on the '
+        'same weights in plain torch modules, CPU gloo, fp32')
 
 
 def hf_model(args):
@@ -80,24 +86,106 @@ def blocked_rows(hidden: int, tp: int) -> torch.Tensor:
                       for r in range(tp) for which in range(3)])
 
 
-def torch_tp(hf, tp: int):
+class TorchBlock(nn.Module):
+    """A GPT-2 block of plain torch modules; the attention runs on the heads whose q/k/v
+    rows this rank holds (all heads unsharded, ``c_attn``'s rows in blocked order)."""
+
+    def __init__(self, hf_block, tp: int, head_dim: int):
+        super().__init__()
+        hidden = hf_block.ln_1.weight.numel()
+        self.head_dim = head_dim
+        self.ln_1, self.ln_2 = copy.deepcopy(hf_block.ln_1), copy.deepcopy(hf_block.ln_2)
+        self.c_attn = _linear(hf_block.attn.c_attn, blocked_rows(hidden, tp))
+        self.attn_proj = _linear(hf_block.attn.c_proj)
+        self.c_fc = _linear(hf_block.mlp.c_fc)
+        self.mlp_proj = _linear(hf_block.mlp.c_proj)
+
+    def attention(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2)
+                   for t in self.c_attn(x).chunk(3, dim=-1))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.attn_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x):
+        x = x + self.attention(self.ln_1(x))
+        h = nn.functional.gelu(self.c_fc(self.ln_2(x)), approximate='tanh')
+        return x + self.mlp_proj(h)
+
+
+class TorchGPT(nn.Module):
+    """HF GPT-2's weights in plain ``nn.Embedding`` / ``nn.Linear`` / ``nn.LayerNorm`` modules
+    (what torch's tensor-parallel styles accept), LM head tied to ``wte``. Returns logits."""
+
+    def __init__(self, hf, tp: int = 1):
+        super().__init__()
+        cfg, body = hf.config, hf.transformer
+        self.wte, self.wpe = copy.deepcopy(body.wte), copy.deepcopy(body.wpe)
+        self.h = nn.ModuleList(TorchBlock(blk, tp, cfg.n_embd // cfg.n_head) for blk in body.h)
+        self.ln_f = copy.deepcopy(body.ln_f)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def torch_tp(hf, tp: int) -> TorchGPT:
+    """torch's best tensor-parallel setup for this GPT, as torchtitan lays it out:
+    vocab-parallel embedding (``RowwiseParallel(input_layouts=Replicate())``), c_attn / c_fc
+    colwise, both projections rowwise, the LM head colwise with its logits left as a DTensor
+    sharded over the vocabulary (for ``loss_parallel``); the head stays tied to ``wte``
+    (both shard the same ``[V, h]`` weight by rows). Layer norms and ``wpe`` replicated."""
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
-    model = copy.deepcopy(hf)
-    hidden = model.config.n_embd
+    model = TorchGPT(hf, tp)
     mesh = DeviceMesh('cpu', list(range(tp)))
-    for block in model.transformer.h:
-        block.attn.c_attn = _linear(block.attn.c_attn, blocked_rows(hidden, tp))
-        block.attn.c_proj = _linear(block.attn.c_proj)
-        block.mlp.c_fc = _linear(block.mlp.c_fc)
-        block.mlp.c_proj = _linear(block.mlp.c_proj)
-        block.attn.split_size = hidden // tp
-        parallelize_module(block, mesh, {'attn.c_attn': ColwiseParallel(),
-                                         'attn.c_proj': RowwiseParallel(),
-                                         'mlp.c_fc': ColwiseParallel(),
-                                         'mlp.c_proj': RowwiseParallel()})
+    for block in model.h:
+        parallelize_module(block, mesh, {'c_attn': ColwiseParallel(),
+                                         'attn_proj': RowwiseParallel(),
+                                         'c_fc': ColwiseParallel(),
+                                         'mlp_proj': RowwiseParallel()})
+    parallelize_module(model, mesh, {
+        'wte': RowwiseParallel(input_layouts=Replicate()),
+        'lm_head': ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    model.lm_head.weight = model.wte.weight     # re-tie: one DTensor, Shard(0) for both
     return model
+
+
+def parallel_loss(model, ids) -> torch.Tensor:
+    """Next-token cross entropy on the vocabulary-sharded logits DTensor under torch's
+    ``loss_parallel`` (the full logits are never gathered); the label shift matches
+    ``GPTLMLoss`` (the last position ignored). ``loss_parallel`` must also cover backward,
+    so the returned loss defers ``backward`` into the context."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    logits = model(ids)
+    with loss_parallel():
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                           ignore_index=-100)
+    return _LossParallel(loss)
+
+
+class _LossParallel:
+    """A loss whose ``backward`` runs inside ``loss_parallel`` (as torch requires)."""
+
+    def __init__(self, loss):
+        self.loss = loss
+
+    def backward(self):
+        from torch.distributed.tensor.parallel import loss_parallel
+        with loss_parallel():
+            self.loss.backward()
+
+    def item(self) -> float:
+        loss = self.loss
+        return (loss.full_tensor() if hasattr(loss, 'full_tensor') else loss).item()
 
 
 def batch(args) -> torch.Tensor:
@@ -115,7 +203,7 @@ def build_sides(args, sides=('ours', 'torch')):
     if 'ours' in sides:
         built['ours'] = (gpt_from_hf(hf).train(), lambda m, x: loss(m(x), x))
     if 'torch' in sides:
-        built['torch'] = (torch_tp(hf, args['tp']), lambda m, x: m(x, labels=x).loss)
+        built['torch'] = (torch_tp(hf, args['tp']), parallel_loss)
     del hf
     return built
 
@@ -174,6 +262,7 @@ def main():
     p.add_argument('--steps', type=int, default=1)
     p.add_argument('--memory-steps', type=int, default=2)
     args = vars(p.parse_args())
+    load0 = load_average()
     from colossal_lite.testing import run_distributed
     rows = [['tp', 'clock', 'ours s/step', 'torch s/step', 'ours tokens/s', 'torch tokens/s',
              'ratio ours/torch']]
@@ -204,8 +293,7 @@ def main():
     print('ratio = median of per-round time ratios (alternated rounds, rank 0, train step, '
           'gloo); target <= 1.0. cpu = process CPU time incl. gloo threads; wall = elapsed')
     path = write_json('gpt_tp_vs_torch', {
-        'what': 'GPT-2-shaped training step (fwd, loss, bwd, AdamW), 1D tensor parallel vs '
-                'torch parallelize_module on transformers GPT2LMHeadModel, CPU gloo, fp32',
+        'what': WHAT, 'load_average_start': load0,
         'config': args, 'target_ratio': 1.0, 'environment': environment(),
         'results': {str(tp): r for tp, r in results.items()},
         'ratios': {str(tp): {c: r['timed'][c]['ratio_ours_over_theirs'] for c in ('wall', 'cpu')}

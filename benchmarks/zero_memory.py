@@ -1,13 +1,15 @@
 """Per-rank memory and step time of ZeRO variants and their peers, world 2 and 4 (gloo, CPU).
 
-    python benchmarks/zero_memory.py [--quick]
+    python benchmarks/zero_memory.py [--quick] [--worlds 2,4] [--repeats 3] [--variants a,b,...]
 
 Model: ``GPT.from_preset('tiny', **SHAPE)`` (LM head tied to the token embedding), fp32,
 AdamW(lr 1e-4), a local batch of ``BATCH`` sequences of ``SEQ`` tokens per rank, dropout 0.
-Each variant runs in its own launched ranks (``run_distributed``: forked ranks, gloo, one
-thread each), one variant after the other (memory cannot be measured for two engines alive
-at once, so steps are not interleaved across variants; the order is reversed at the second
-world size):
+Each variant runs in its own freshly launched ranks (``run_distributed``: forked ranks,
+gloo, one thread each); memory cannot be measured for two engines alive at once, so steps
+are not interleaved across variants. Instead the variants alternate over ``--repeats``
+rounds: round r runs them in order, round r+1 in reverse. A default run measures
+``DEFAULT_VARIANTS`` (our lowest-memory variant and the FSDP2 peers); ``--variants`` picks
+any of:
 
 * ``dp``: plain data parallelism (``clt.initialize`` without ``zero``);
 * ``zero1`` / ``zero2``: ``zero=dict(stage=1|2)``;
@@ -16,6 +18,8 @@ world size):
   ``device_memory_limit`` = half of the unsharded model data (16 B x parameters / 2);
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block and on the root of the
   same serial GPT (device mesh 'cpu', the launched gloo group), torch AdamW;
+  ``fsdp2_no_reshard``: the same with ``reshard_after_forward=False`` (parameters stay
+  gathered from forward to backward: the memory-matched peer of chunk ZeRO's kept chunks);
 * ``deepspeed_zero2`` / ``deepspeed_zero3``: ``deepspeed.initialize`` (``DS_ACCELERATOR=cpu``)
   with the same model and a torch AdamW; a failure is recorded with its exception;
   ``deepspeed_zero3_torch_gpt``: ZeRO-3 on ``TorchGPT``, a plain torch GPT of the same shape
@@ -35,9 +39,12 @@ a step's time is the slowest rank's; the median is reported):
   ``malloc_trim``; median over the timed steps. ``peak_rss_bytes``: the absolute peak.
 * chunk ZeRO: the manager's device ledger (``peak`` accounted bytes, H2D/D2H moved).
 
-Ratios: each variant's step time over the step time of the variant with the next-lowest
-``model_data_bytes``; the target (issue 10): our lowest-memory variant has the lowest bytes
-per parameter of all and at most 1.0x the step time of the next-lowest peer.
+Per variant: the median over repeats of the per-repeat median step time, its run-to-run
+spread ((max - min) / median over repeats), and the median peak RSS (max over ranks).
+Target (issues 10 and 25): our lowest-memory variant has at most the bytes per parameter,
+the peak RSS and the step time of the lowest-memory peer (ratios paired repeat by repeat);
+the verdict also says whether the step-time margin ``|1 - ratio|`` is larger than the
+run-to-run spread (the larger of the two variants'), i.e. whether it is measurable here.
 
 Writes ``results/zero_memory.json`` and ``results/zero_memory.png`` (``--quick``: a tiny
 model, one timed step, into ``results/zero_memory_quick.*``).
@@ -67,9 +74,12 @@ SHAPE = dict(vocab_size=50304, max_positions=128, hidden=768, layers=16, heads=1
 QUICK_SHAPE = dict(vocab_size=1024, max_positions=64, hidden=128, layers=2, heads=4, dropout=0.0)
 BATCH, SEQ = 2, 64
 CHUNK_MAX_ELEMS = 8 * 2 ** 20       # the chunk-size search's bound (32 MB fp32 chunks)
-WARMUP, STEPS = 1, 3
+WARMUP, STEPS, REPEATS = 1, 10, 3
 VARIANTS = ['dp', 'zero1', 'zero2', 'zero3_device', 'zero3_cpu', 'zero3_auto', 'fsdp2',
-            'deepspeed_zero2', 'deepspeed_zero3', 'deepspeed_zero3_torch_gpt']
+            'fsdp2_no_reshard', 'deepspeed_zero2', 'deepspeed_zero3',
+            'deepspeed_zero3_torch_gpt']
+# what a default run measures (about 25 min here): our lowest-memory variant and its peers
+DEFAULT_VARIANTS = ['zero3_device', 'fsdp2', 'fsdp2_no_reshard']
 OURS = ['zero1', 'zero2', 'zero3_device', 'zero3_cpu', 'zero3_auto']
 
 # ------------------------------------------------------------------ variants
@@ -140,15 +150,18 @@ def ours(zero):
     return step, info
 
 
-def fsdp2():
+def fsdp2(reshard_after_forward=True):
+    """FSDP2 on every block and the root; ``reshard_after_forward=False`` keeps each
+    block's gathered parameters from forward to backward (no re-gather: ZeRO-2-like
+    traffic, more memory -- the memory-matched peer of chunk ZeRO's kept chunks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from model_zoo import GPTLMLoss
     model = build_model()
     mesh = init_device_mesh('cpu', (dist.get_world_size(),))
     for block in model.blocks.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     opt, loss_fn = adamw(model.parameters()), GPTLMLoss()
 
     def step(batch):
@@ -199,6 +212,7 @@ BUILDERS = {
     'zero3_auto': lambda lim, chunk_mb: ours(dict(stage=3, placement='auto', chunk_size_mb=chunk_mb,
                                         device_memory_limit=lim)),
     'fsdp2': lambda lim, chunk_mb: fsdp2(),
+    'fsdp2_no_reshard': lambda lim, chunk_mb: fsdp2(reshard_after_forward=False),
     'deepspeed_zero2': lambda lim, chunk_mb: deepspeed_zero(2, chunk_mb),
     'deepspeed_zero3': lambda lim, chunk_mb: deepspeed_zero(3, chunk_mb),
     'deepspeed_zero3_torch_gpt': lambda lim, chunk_mb: deepspeed_zero(3, chunk_mb, plain=True),
@@ -248,46 +262,109 @@ def worker(rank, order, limit, chunk_mb, seed, quick=False):
 
 
 # ------------------------------------------------------------------ summary
-def summarize(per_rank, order, params) -> dict:
-    rows = {}
-    for name in order:
-        outs = [r[name] for r in per_rank]
-        if 'error' in outs[0]:
-            rows[name] = {'error': outs[0]['error'], 'traceback_tail': outs[0]['traceback_tail']}
-            continue
-        step_s = [max(ts) for ts in zip(*(o['step_s'] for o in outs))]
-        rank0 = outs[0]
-        rows[name] = {
-            'median_step_s': statistics.median(step_s), 'step_s_slowest_rank': step_s,
-            'model_data_bytes_per_rank': [o['model_data_bytes'] for o in outs],
+def spread(values) -> float:
+    """Run-to-run spread: (max - min) / median."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def summarize_repeat(per_rank, name, params) -> dict:
+    """One variant in one repeat: its step times (slowest rank per step) and memory."""
+    outs = [r[name] for r in per_rank]
+    if 'error' in outs[0]:
+        return {'error': outs[0]['error'], 'traceback_tail': outs[0]['traceback_tail']}
+    step_s = [max(ts) for ts in zip(*(o['step_s'] for o in outs))]
+    return {'median_step_s': statistics.median(step_s), 'step_s_slowest_rank': step_s,
             'bytes_per_param': max(o['model_data_bytes'] for o in outs) / params,
-            'peak_rss_growth_bytes_per_rank': [o['peak_rss_growth_bytes'] for o in outs],
-            'peak_rss_bytes_per_rank': [o['peak_rss_bytes'] for o in outs],
-            'build_s_rank0': rank0['build_s'],
-            **{k: rank0[k] for k in ('ledger', 'chunks', 'chunk_elems', 'hits', 'evictions')
-               if k in rank0}}
-    ok = sorted((n for n in rows if 'error' not in rows[n]),
-                key=lambda n: rows[n]['bytes_per_param'])
-    for lower, higher in zip(ok, ok[1:]):
-        rows[lower]['next_lowest_memory_peer'] = higher
-        rows[lower]['step_time_ratio_vs_next_lowest'] = (rows[lower]['median_step_s']
-                                                         / rows[higher]['median_step_s'])
-    return {'variants': rows, 'memory_order': ok, 'target': target(rows, ok)}
+            'peak_rss_bytes': max(o['peak_rss_bytes'] for o in outs),
+            'peak_rss_growth_bytes': max(o['peak_rss_growth_bytes'] for o in outs),
+            'build_s_rank0': outs[0]['build_s'],
+            **{k: outs[0][k] for k in ('ledger', 'chunks', 'chunk_elems', 'hits', 'evictions')
+               if k in outs[0]}}
 
 
-def target(rows, ok) -> dict:
-    """Issue 10's target: our lowest-memory variant (the fastest of equal bytes per parameter)
-    against the lowest-memory peer (a variant that is not ours: FSDP2, DeepSpeed, plain dp)."""
+def summarize_variant(repeats) -> dict:
+    """Medians over the repeats and their spreads; every repeat kept under ``repeats``."""
+    if any('error' in r for r in repeats):
+        return next(r for r in repeats if 'error' in r)
+    med = {k: statistics.median(r[k] for r in repeats)
+           for k in ('median_step_s', 'bytes_per_param', 'peak_rss_bytes', 'peak_rss_growth_bytes')}
+    return {**med, 'step_s_spread': spread([r['median_step_s'] for r in repeats]),
+            'peak_rss_spread': spread([r['peak_rss_bytes'] for r in repeats]),
+            'repeats': repeats}
+
+
+def paired_ratios(rows, ours, peer) -> dict:
+    """Our variant over a peer, repeat by repeat (both ran in the same repeat, back to
+    back), on step time and on peak memory; medians, and whether the step-time margin
+    ``|1 - ratio|`` exceeds the larger of the two variants' run-to-run spreads."""
+    pairs = list(zip(rows[ours]['repeats'], rows[peer]['repeats']))
+    step = [a['median_step_s'] / b['median_step_s'] for a, b in pairs]
+    peak = [a['peak_rss_bytes'] / b['peak_rss_bytes'] for a, b in pairs]
+    growth = [a['peak_rss_growth_bytes'] / b['peak_rss_growth_bytes'] for a, b in pairs]
+    noise = max(rows[ours]['step_s_spread'], rows[peer]['step_s_spread'])
+    margin = abs(1 - statistics.median(step))
+    return {'step_time_ratio': statistics.median(step), 'step_time_ratio_per_repeat': step,
+            'peak_rss_ratio': statistics.median(peak), 'peak_rss_ratio_per_repeat': peak,
+            'peak_rss_growth_ratio': statistics.median(growth),
+            'step_time_margin': margin, 'run_to_run_spread': noise,
+            'margin_exceeds_spread': margin > noise}
+
+
+def target(rows) -> dict:
+    """Issue 10/25's target: our lowest-memory variant (the fastest of equal bytes per
+    parameter) has at most the bytes per parameter, the peak RSS and the step time of the
+    lowest-memory peer (a variant that is not ours); ratios against every peer are listed."""
+    ok = [n for n in rows if 'error' not in rows[n]]
     best_ours = min((n for n in ok if n in OURS),
                     key=lambda n: (round(rows[n]['bytes_per_param'], 3), rows[n]['median_step_s']))
-    best_peer = min((n for n in ok if n not in OURS), key=lambda n: rows[n]['bytes_per_param'])
-    ratio = rows[best_ours]['median_step_s'] / rows[best_peer]['median_step_s']
-    lowest = rows[best_ours]['bytes_per_param'] <= rows[best_peer]['bytes_per_param']
-    return {'ours_lowest_memory': best_ours, 'next_lowest_memory_peer': best_peer,
-            'bytes_per_param': {best_ours: rows[best_ours]['bytes_per_param'],
-                                best_peer: rows[best_peer]['bytes_per_param']},
-            'step_time_ratio': ratio, 'lowest_bytes_per_param': lowest,
-            'met': bool(lowest and ratio <= 1.0)}
+    peers = [n for n in ok if n not in OURS]
+    best_peer = min(peers, key=lambda n: (round(rows[n]['bytes_per_param'], 3),
+                                          rows[n]['peak_rss_bytes']))
+    vs = {peer: paired_ratios(rows, best_ours, peer) for peer in peers}
+    main = vs[best_peer]
+    lowest = rows[best_ours]['bytes_per_param'] <= rows[best_peer]['bytes_per_param'] + 1e-3
+    met = lowest and main['step_time_ratio'] <= 1.0 and main['peak_rss_ratio'] <= 1.0
+    return {'ours_lowest_memory': best_ours, 'lowest_memory_peer': best_peer,
+            'lowest_bytes_per_param': lowest, 'vs': vs, 'met': bool(met),
+            'step_time_ratio': main['step_time_ratio'], 'peak_rss_ratio': main['peak_rss_ratio'],
+            'margin_exceeds_spread': main['margin_exceeds_spread']}
+
+
+def run_world(world, variants, repeats, limit, chunk_mb, quick) -> dict:
+    """``repeats`` rounds; round r runs the variants in order (reversed every other round),
+    each in freshly launched ranks, so nothing of the previous variant stays resident."""
+    params, per_variant, orders = None, {n: [] for n in variants}, []
+    load0 = load_average()
+    for r in range(repeats):
+        order = variants if r % 2 == 0 else variants[::-1]
+        orders.append(order)
+        for name in order:
+            per_rank = run_distributed(worker, world, {}, [name], limit, chunk_mb, 1, quick,
+                                       timeout=1800, collective_timeout=600)
+            params = per_rank[0]['params']
+            per_variant[name].append(summarize_repeat(per_rank, name, params))
+    rows = {n: summarize_variant(reps) for n, reps in per_variant.items()}
+    return {'variants': rows, 'orders': orders, 'target': target(rows),
+            'load_average': {'before': load0, 'after': load_average()}}
+
+
+def print_world(world, res):
+    rows = [['world', 'variant', 'B/param', 'step s (median)', 'spread', 'peak RSS MB',
+             'RSS growth MB']]
+    for name, r in res['variants'].items():
+        if 'error' in r:
+            rows.append([world, name, 'error', r['error'][:60], '', '', ''])
+            continue
+        rows.append([world, name, f"{r['bytes_per_param']:.2f}", f"{r['median_step_s']:.3f}",
+                     f"{r['step_s_spread']:.1%}", f"{r['peak_rss_bytes'] / 2**20:.0f}",
+                     f"{r['peak_rss_growth_bytes'] / 2**20:.0f}"])
+    print_table(rows)
+    t = res['target']
+    for peer, v in t['vs'].items():
+        print(f"{t['ours_lowest_memory']} / {peer}: step {v['step_time_ratio']:.3f} "
+              f"(margin {v['step_time_margin']:.1%} vs spread {v['run_to_run_spread']:.1%}), "
+              f"peak RSS {v['peak_rss_ratio']:.3f}")
+    print('target met:', t['met'])
 
 
 def plot(results, path):
@@ -312,55 +389,57 @@ def plot(results, path):
     return path
 
 
+def stored_worlds(name, payload) -> float:
+    """Copy the stored run's results into ``payload`` (a run of one world size at a time);
+    the stored run's settings must match, its variants may differ (each world's results
+    name their own). Returns the stored run's total seconds."""
+    import json
+    with open(os.path.join(RESULTS_DIR, f'{name}.json')) as f:
+        stored = json.load(f)
+    keys = ('shape', 'timed_steps', 'repeats', 'batch_per_rank', 'seq')
+    if any(stored.get(k) != payload[k] for k in keys):
+        raise SystemExit(f'--append: the stored run differs in one of {keys}')
+    payload['results'].update(stored['results'])
+    return stored['total_s']
+
+
 def main():
     global SHAPE, STEPS
     parser = argparse.ArgumentParser()
     parser.add_argument('--quick', action='store_true', help='tiny model, 1 timed step')
     parser.add_argument('--worlds', default='2,4')
+    parser.add_argument('--repeats', type=int, default=REPEATS)
+    parser.add_argument('--variants', default=','.join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, of {','.join(VARIANTS)}")
+    parser.add_argument('--append', action='store_true',
+                        help='keep the other world sizes of the stored results (same settings)')
     args = parser.parse_args()
     if args.quick:
         SHAPE, STEPS = QUICK_SHAPE, 1
+    variants = args.variants.split(',')
     from model_zoo import GPT
-    params = sum(p.numel() for p in GPT.from_preset('tiny', **SHAPE).parameters())
+    numels = [p.numel() for p in GPT.from_preset('tiny', **SHAPE).parameters()]
+    params = sum(numels)
     limit = 16 * params // 2
     from colossal_lite.zero.chunk import search_chunk_size
-    numels = [p.numel() for p in GPT.from_preset('tiny', **SHAPE).parameters()]
     found = search_chunk_size(numels, dp_sizes=(2, 4), max_elems=CHUNK_MAX_ELEMS)
     chunk_mb = found.capacity * 4 / 2 ** 20
     payload = {'deepspeed_zero_optimization': {s: ds_zero_config(s, chunk_mb) for s in (2, 3)},
                'shape': SHAPE, 'batch_per_rank': BATCH, 'seq': SEQ, 'params': params,
-               'chunk_size_mb': chunk_mb, 'chunk_search': repr(found), 'auto_device_memory_limit_bytes': limit,
-               'warmup_steps': WARMUP, 'timed_steps': STEPS, 'dtype': 'fp32',
-               'environment': environment(), 'results': {}, 'load_average_during': {}}
-    t_start = time.perf_counter()
-    for i, world in enumerate(int(w) for w in args.worlds.split(',')):
-        order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
-        load0 = load_average()
-        per_rank = [{} for _ in range(world)]
-        for name in order:  # each variant in fresh ranks: nothing of the last one stays resident
-            for mine, got in zip(per_rank, run_distributed(
-                    worker, world, {}, [name], limit, chunk_mb, 1, args.quick, timeout=1800,
-                    collective_timeout=600)):
-                mine.update(got)
-        payload['load_average_during'][world] = {'before': load0, 'after': load_average()}
-        res = summarize(per_rank, order, params)
-        res['order'] = order
-        payload['results'][world] = res
-        rows = [['world', 'variant', 'B/param', 'step s', 'ratio vs next', 'RSS growth MB']]
-        for name in res['memory_order']:
-            r = res['variants'][name]
-            rows.append([world, name, f"{r['bytes_per_param']:.2f}", f"{r['median_step_s']:.3f}",
-                         f"{r.get('step_time_ratio_vs_next_lowest', float('nan')):.2f}",
-                         f"{max(r['peak_rss_growth_bytes_per_rank']) / 2**20:.0f}"])
-        for name, r in res['variants'].items():
-            if 'error' in r:
-                rows.append([world, name, 'error', r['error'][:60], '', ''])
-        print_table(rows)
-        print('target:', res['target'])
-    payload['total_s'] = time.perf_counter() - t_start
+               'chunk_size_mb': chunk_mb, 'chunk_search': repr(found),
+               'auto_device_memory_limit_bytes': limit, 'variants': variants,
+               'warmup_steps': WARMUP, 'timed_steps': STEPS, 'repeats': args.repeats,
+               'dtype': 'fp32', 'environment': environment(), 'results': {}}
     name = 'zero_memory_quick' if args.quick else 'zero_memory'   # --quick never overwrites
-    payload['png'] = plot(payload['results'], os.path.join(RESULTS_DIR, f'{name}.png'))
-    print('wrote', write_json(name, payload))
+    t_start = time.perf_counter() - (stored_worlds(name, payload) if args.append else 0.0)
+    for world in (int(w) for w in args.worlds.split(',')):
+        res = run_world(world, variants, args.repeats, limit, chunk_mb, args.quick)
+        payload['results'][str(world)] = res
+        print_world(world, res)
+        payload['total_s'] = time.perf_counter() - t_start
+        # written after every world size: a run cut short keeps the worlds it finished
+        payload['png'] = plot(payload['results'], os.path.join(RESULTS_DIR, f'{name}.png'))
+        print('wrote', write_json(name, payload))
 
 
 if __name__ == '__main__':
