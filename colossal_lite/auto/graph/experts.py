@@ -124,25 +124,3 @@ def _backward(ctx, grad):
 
 
 experts_mm.register_autograd(_backward, setup_context=_setup)
-
-
-def first_expert(mesh, weight_placements, experts: int) -> int:
-    """The first expert this rank holds when ``weight_placements`` split the experts."""
-    start = 0
-    for axis, p in enumerate(weight_placements):
-        if isinstance(p, Shard) and p.dim == 0:
-            experts //= mesh.size(axis)
-            start += mesh.get_local_rank(axis) * experts
-    return start
-
-
-def run_grouped_mm(node: torch.fx.Node, args: Sequence, mesh, inputs) -> object:
-    """The expert-parallel region when the strategy splits the experts (``inputs[1]``: the
-    weight's placements), else None (the op itself runs on the local shards)."""
-    weight_placements = inputs[1] if inputs and len(inputs) > 1 else None
-    if weight_placements is None or not any(isinstance(p, Shard) and p.dim == 0
-                                            for p in weight_placements):
-        return None
-    x, weight, offs = args[:3]
-    experts = node.args[1].meta['val'].shape[0]
-    return experts_mm(x, weight, offs, first_expert(mesh, weight_placements, experts))

@@ -32,7 +32,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from .experts import grouped_mm_rules, is_grouped_mm, run_grouped_mm
+from .experts import experts_mm, grouped_mm_rules, is_grouped_mm
 
 aten = torch.ops.aten
 
@@ -88,8 +88,12 @@ def run_local(node: torch.fx.Node, args: Sequence, mesh: DeviceMesh, placements,
     """Run ``node`` on local shards by one of these rules (``placements``: its first tensor
     input's, ``out_placements``: its output's, ``inputs``: every input's); None when none
     applies (the op itself runs on the local shards)."""
-    if is_grouped_mm(node.target):
-        return run_grouped_mm(node, args, mesh, inputs)
+    if is_grouped_mm(node.target):   # the expert-parallel region when W's experts are split
+        weight = inputs[1] if len(inputs) > 1 else None
+        if weight is None or not split_axes(weight, 0):
+            return None
+        experts = node.args[1].meta['val'].shape[0]
+        return experts_mm(*args[:3], offset(mesh, weight, 0, experts))
     if node.target is LOG_SOFTMAX:
         x, dim = args[0], args[1] % args[0].dim()
         axes = split_axes(placements, dim)
