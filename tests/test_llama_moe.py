@@ -279,10 +279,16 @@ LAYOUTS = {  # id: (world, config, model options)
     'data4-expert2': (4, _config(dict(expert=2)), ()),
     'data4-expert4': (4, _config(dict(expert=4)), ()),
     'expert2-tp2': (4, _config(dict(expert=2, tensor=dict(size=2, mode='1d'))), ()),
+    'expert2-tp2-sp': (4, _config(dict(expert=2, tensor=dict(size=2, mode='1d',
+                                                              sequence_parallel=True))), ()),
     'expert2-tp2-whole-experts': (4, _config(dict(expert=2, tensor=dict(size=2, mode='1d'))),
                                   (('expert_tensor_parallel', False),)),
     'expert2-pp2': (4, _config(dict(expert=2, pipeline=2), num_microbatches=2),
                     (('layers', 4),)),
+    'expert2-pp2-interleaved': (4, _config(dict(expert=2, pipeline=dict(
+        size=2, chunks=2, schedule='interleaved')), num_microbatches=2), (('layers', 4),)),
+    'expert2-pp2-zero-bubble': (4, _config(dict(expert=2, pipeline=dict(
+        size=2, schedule='zero_bubble')), num_microbatches=2), (('layers', 4),)),
     'expert2-zero3': (2, _config(dict(expert=2), zero=dict(stage=3)), ()),
     'expert2-sequence2': (4, _config(dict(expert=2, tensor=dict(size=2, mode='sequence'))), ()),
 }
@@ -300,6 +306,19 @@ def test_llama_moe_equals_serial(serial, layout):
                              timeout=TIMEOUT)
     assert_matches_serial(traces, serial[model_kw, config.get('num_microbatches', 1)])
 
+
+
+SP_SHARED = dict(MOE, shared_experts=1, shared_gate=True, capacity_factor=1.5)
+
+
+def test_shared_gated_experts_and_capacity_under_1d_sequence_parallel_equal_serial():
+    """Under expert 2 x 1D t=2 with sequence parallelism the routed experts see the whole
+    sequences (capacity counts per sequence as serially) while the shared expert and its gate
+    run on each rank's sequence block (the gate's gradient summed over the pair)."""
+    serial = run_distributed(_trace, 1, _config({}), SP_SHARED, ())[0]
+    layout = dict(expert=2, tensor=dict(size=2, mode='1d', sequence_parallel=True))
+    traces = run_distributed(_trace, 4, _config(layout), SP_SHARED, (), timeout=TIMEOUT)
+    assert_matches_serial(traces, serial)
 
 
 # ----------------------------------------------------------------------------- logging

@@ -509,3 +509,32 @@ def test_expert_tensor_parallel_cuts_the_width_and_all_reduces_the_rows():
         assert rows > 0 and cut['tensor_bytes'] == 2 * 4 * 16 * rows
         assert whole['tensor_bytes'] == 0
         assert max_rel_diff(cut['y'], whole['y']) <= TOL
+
+
+def _sequence_parallel_run(rank):
+    """MoE(h 16, f 32, 4 experts, top-2) under expert 2 x 1D t=2 with sequence parallelism:
+    this rank's block of x [4, 6, 16] in, its block out; the 1D group's all_gather bytes."""
+    torch.manual_seed(SEED)
+    moe = MoE(16, 32, 4, 2)
+    data, tensor = gpc.axis(PM.DATA), moe.sequence_axis
+    full = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(data.rank))
+    x = full[:, 3 * tensor.rank:3 * tensor.rank + 3].clone().requires_grad_()
+    with comm_profile() as stats:
+        y = moe(x)
+        y.square().sum().backward()
+    with torch.no_grad():
+        whole = moe._routed(full)   # what 1D without sequence parallelism computes
+    return dict(y=y.detach(), block=whole[:, 3 * tensor.rank:3 * tensor.rank + 3],
+                gathered=stats.bytes(tensor.mode, 'all_gather'),
+                x_grad=x.grad is not None and torch.count_nonzero(x.grad).item())
+
+
+def test_sequence_parallel_routes_whole_sequences_and_keeps_the_block():
+    """1D sequence parallelism: the block's output is the block of the routed output of the
+    whole sequences (what plain 1D computes), at the cost of two all_gathers of [b, s, h]
+    over the 1D group (x forward, the output's gradient backward): 2 x 4 x 4 x 6 x 16 bytes."""
+    layout = dict(expert=2, tensor=dict(size=2, mode='1d', sequence_parallel=True))
+    for r in run_distributed(_sequence_parallel_run, 4, dict(parallel=layout), timeout=TIMEOUT):
+        assert max_rel_diff(r['y'], r['block']) <= TOL
+        assert r['gathered'] == 2 * 4 * 4 * 6 * 16
+        assert r['x_grad'] > 0

@@ -3,7 +3,11 @@
 Input ``x [..., s, h]`` (any leading dims; a batch row is one sequence of the second-to-last
 dim), output the same shape. Each rank holds its own tokens whole (hidden not split): the
 serial model, data parallelism, 1D tensor parallelism (x replicated over the tensor group)
-and the sequence modes (x split along s).
+and the sequence modes (x split along s). Under 1D sequence parallelism x is the rank's
+sequence block ``[b, s/t, h]``: the routed part runs on the whole sequences, gathered over
+the 1D group (``gather_from``: all_gather forward, own block of the gradient backward) and
+cut back to the block (``split_to``: backward all_gather), so it computes exactly what 1D
+without sequence parallelism computes; the shared experts are the 1D MLP on the block.
 
 Per forward, with ``N`` local tokens and E expert ranks:
 
@@ -34,10 +38,12 @@ import torch
 from torch import nn
 
 from ...communication import collective as C
+from ...communication import copy_to, gather_from, split_to
 from ...config.families import family
 from ...config.layout import EXPERT_TENSOR_MODES
 from ...context import ParallelMode, ProcessGroupAxis, current_context
 from ...tensor import Init, new_parameter
+from ..parallel_1d.layers import default_axis, sequence_dim
 from .dispatch import ExpertExchange, capacity, capacity_keep, combine, sort_slots
 from .experts import GroupedExperts, SharedExperts
 from .losses import attach_loss, load_balancing_loss, z_loss
@@ -75,6 +81,13 @@ def expert_tensor_axis(enabled: Optional[bool]) -> Optional[ProcessGroupAxis]:
     return ctx.axis(ParallelMode.TENSOR) if one_d and enabled is not False else None
 
 
+def sequence_parallel_axis() -> Optional[ProcessGroupAxis]:
+    """The 1D group the tokens are split over along the sequence under 1D sequence
+    parallelism (``tensor=dict(mode='1d', sequence_parallel=True)``), else None."""
+    axis = default_axis()
+    return axis if sequence_dim(axis) is not None else None
+
+
 def _check_layout(capacity_factor):
     layout = current_context().layout
     if layout is None:
@@ -83,22 +96,26 @@ def _check_layout(capacity_factor):
         raise NotImplementedError(f"MoE needs each token's hidden vector whole; tensor mode "
                                   f"{layout.mode!r} splits it (supported: "
                                   f"{EXPERT_TENSOR_MODES})")
-    if layout.mode == '1d' and layout.sequence_parallel:
-        raise NotImplementedError('MoE with 1D sequence_parallel=True is not supported yet')
     if capacity_factor is not None and family(layout.mode).splits_sequence:
         raise NotImplementedError(f"MoE capacity_factor counts per whole sequence; tensor mode "
                                   f"{layout.mode!r} splits sequences over ranks")
 
 
 class SharedGate(nn.Module):
-    """Qwen2-MoE's shared-expert gate ``sigmoid(x w^T)``, ``weight [1, h]`` (replicated)."""
+    """Qwen2-MoE's shared-expert gate ``sigmoid(x w^T)``, ``weight [1, h]`` (replicated).
+    ``sequence_axis``: x is this rank's sequence block (1D sequence parallelism), so the
+    weight's gradient is partial and summed over that group (``copy_to``), as a norm's."""
 
-    def __init__(self, hidden: int, weight_init: Optional[Init] = None):
+    def __init__(self, hidden: int, weight_init: Optional[Init] = None,
+                 sequence_axis: Optional[ProcessGroupAxis] = None):
         super().__init__()
         self.weight = new_parameter((1, hidden), init=weight_init or uniform_init(hidden))
+        self.sequence_axis = sequence_axis
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(x @ self.weight.t())
+        weight = self.weight if self.sequence_axis is None else copy_to(self.weight,
+                                                                       self.sequence_axis)
+        return torch.sigmoid(x @ weight.t())
 
 
 class MoE(nn.Module):
@@ -151,6 +168,7 @@ class MoE(nn.Module):
         self.stats_axis = stats_axis or token_axis()
         self.aux_loss_scale = 1.0
         self._sequence_ranks = _sequence_ranks()
+        self.sequence_axis = sequence_parallel_axis()
         self.router = TopKRouter(hidden, experts, top_k, score, renormalize,
                                  bias_balancing=bias_update_rate > 0, weight_init=weight_init)
         self.experts = GroupedExperts(hidden, ffn_hidden, experts, self.expert_axis, weight_init,
@@ -158,7 +176,7 @@ class MoE(nn.Module):
         self.shared_expert = (SharedExperts(hidden, shared_experts * (shared_ffn_hidden or
                                                                       ffn_hidden), weight_init)
                               if shared_experts else None)
-        self.shared_expert_gate = (SharedGate(hidden, weight_init)
+        self.shared_expert_gate = (SharedGate(hidden, weight_init, self.sequence_axis)
                                    if shared_experts and shared_gate else None)
         self.last_tokens_per_expert = torch.zeros(experts, dtype=torch.int64)
         self.last_aux_loss = torch.zeros(())
@@ -174,6 +192,21 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2:
             raise ValueError(f'MoE input must be [..., s, h], got shape {tuple(x.shape)}')
+        if self.sequence_axis is None:
+            out = self._routed(x)
+        else:   # x: this rank's sequence block; route the whole sequences, keep own block
+            seq = x.dim() - 2
+            out = split_to(self._routed(gather_from(x, self.sequence_axis, seq)),
+                           self.sequence_axis, seq)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = self.shared_expert_gate(x).to(shared.dtype) * shared
+            out = out + shared
+        return out
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted outputs for ``x [..., s, h]`` (whole sequences)."""
         tokens = x.reshape(-1, x.shape[-1])
         route = self.router(tokens)
         counts = self._count(route.experts)
@@ -187,11 +220,6 @@ class MoE(nn.Module):
         rows = exchange.dispatch(tokens[slots.token])
         rows = exchange.combine(self.experts(rows, exchange.local_counts))
         out = combine(rows, slots, weights)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(tokens)
-            if self.shared_expert_gate is not None:
-                shared = self.shared_expert_gate(tokens).to(shared.dtype) * shared
-            out = out + shared
         return out.view(x.shape[:-1] + out.shape[-1:])
 
     def _count(self, experts: torch.Tensor) -> torch.Tensor:
