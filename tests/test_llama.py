@@ -30,6 +30,7 @@ from tests.model_cases import make_case
 
 CLIP = 1.0
 TP = lambda t: dict(tensor=dict(size=t, mode='1d'))  # noqa: E731
+SP = lambda t: dict(tensor=dict(size=t, mode='1d', sequence_parallel=True))  # noqa: E731
 
 
 def _case():
@@ -79,6 +80,11 @@ LAYOUTS = {  # id: (world, config, model options)
                                                           sequence_parallel=True))), ()),
     'pp2xtp2-sequence-parallel': (4, _config(dict(pipeline=2, tensor=dict(
         size=2, mode='1d', sequence_parallel=True)), num_microbatches=2), (('layers', 4),)),
+    # the norms' gradients: bucketed at the end of backward without a reducer's hooks,
+    # summed at once under the overlapping data-parallel reducer and ZeRO's hooks
+    'data2xtp2-sequence-parallel': (4, _config(SP(2)), ()),
+    'zero2xtp2-sequence-parallel': (4, _config(SP(2), zero=dict(stage=2)), ()),
+    'zero3xtp2-sequence-parallel': (4, _config(SP(2), zero=dict(stage=3)), ()),
     'ring4-zigzag': (4, _config(dict(tensor=dict(size=4, mode='sequence'))), ()),
     'ulysses4-kv-repeated': (4, _config(dict(tensor=dict(size=4, mode='ulysses'))), ()),
     'ring2xulysses2': (4, _config(dict(tensor=dict(size=4, mode='ulysses', ring=2))), ()),

@@ -101,7 +101,8 @@ def all_gather(tensor: torch.Tensor, axis: AxisLike, dim: int = 0, async_op: boo
                       device=inp.device)
     record(ax.mode, 'all_gather', _nbytes(buf), ax.size)
     if pairwise:
-        copies = inp.unsqueeze(0).expand((ax.size,) + tuple(inp.shape)).reshape(buf.shape)
+        copies = inp.unsqueeze(0).expand((ax.size,) + tuple(inp.shape)).reshape(
+            buf.shape).contiguous()   # a copy (a view when inp.shape[0] is 1)
         work = dist.all_to_all_single(buf, copies, group=ax.group, async_op=async_op)
     else:
         work = _all_gather_flat(buf, inp, group=ax.group, async_op=async_op)

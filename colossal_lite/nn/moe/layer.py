@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ...communication import collective as C
-from ...communication import copy_to, gather_from, split_to
+from ...communication import gather_from, partial_grad_param, split_to
 from ...config.families import family
 from ...config.layout import EXPERT_TENSOR_MODES
 from ...context import ParallelMode, ProcessGroupAxis, current_context
@@ -104,7 +104,8 @@ def _check_layout(capacity_factor):
 class SharedGate(nn.Module):
     """Qwen2-MoE's shared-expert gate ``sigmoid(x w^T)``, ``weight [1, h]`` (replicated).
     ``sequence_axis``: x is this rank's sequence block (1D sequence parallelism), so the
-    weight's gradient is partial and summed over that group (``copy_to``), as a norm's."""
+    weight's gradient is partial and summed over that group (``partial_grad_param``), as a
+    norm's."""
 
     def __init__(self, hidden: int, weight_init: Optional[Init] = None,
                  sequence_axis: Optional[ProcessGroupAxis] = None):
@@ -113,8 +114,8 @@ class SharedGate(nn.Module):
         self.sequence_axis = sequence_axis
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.sequence_axis is None else copy_to(self.weight,
-                                                                       self.sequence_axis)
+        weight = self.weight if self.sequence_axis is None else partial_grad_param(
+            self.weight, self.sequence_axis)
         return torch.sigmoid(x @ weight.t())
 
 

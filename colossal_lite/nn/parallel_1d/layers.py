@@ -13,7 +13,8 @@ opens with an all_gather along the sequence (backward: reduce_scatter of dx) ins
 the identity (backward: all_reduce), and closes with a reduce_scatter along the sequence
 instead of an all_reduce -- the same bytes, and the norms, dropout and residuals between
 regions hold 1/p of the tokens. Their replicated weights see only the local tokens, so
-their gradients are summed over the group (``copy_to``). On gloo each of these
+their gradients are summed over the group (``partial_grad_param``: one bucketed all_reduce
+at the end of the backward pass). On gloo each of these
 all_gathers and reduce_scatters is one all_to_all (``collective.prefers_pairwise``).
 """
 from __future__ import annotations
@@ -26,13 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...communication import copy_to, gather_from, reduce_from, reduce_scatter_to, split_to
+from ...communication import (copy_to, gather_from, partial_grad_param, reduce_from,
+                              reduce_scatter_to, split_to)
 from ...communication.collective import check_divisible, prefers_pairwise
 from ...context import ParallelMode, ProcessGroupAxis, current_context, seed
 from ...tensor import Init, ShardedModule, new_parameter, tag, tied_or_new_parameter
 from ...tensor.adjacent import join_rows
 from ..functional import check_ids, dense_linear, vocab_range_lookup
-from .overlap import column_matmul, column_matmul_rows
+from .overlap import column_matmul, column_matmul_rows, rank_major
 
 def default_axis() -> ProcessGroupAxis:
     """PARALLEL_1D when the current context's mode is 1D, else a one-rank group (serial)."""
@@ -162,9 +164,11 @@ class RowLinear1D(ShardedModule):
             y = reduce_from(local(x, self.weight), self.axis, inplace=True)
             return y + self.bias if self.bias is not None else y
         check_sequence_block(x.shape[seq_dim], self.axis)
-        y = reduce_scatter_to(F.linear(x, self.weight), self.axis, seq_dim,
-                              pairwise=prefers_pairwise(self.axis))
-        return y + copy_to(self.bias, self.axis) if self.bias is not None else y
+        # rank-major rows (overlap.py): the scattered [p, b, s/p, out] comes out of the
+        # matmul as it is, and its gradient arrives gathered in that order
+        y = F.linear(rank_major(x, self.axis.size, seq_dim), self.weight)
+        y = reduce_scatter_to(y, self.axis, 0, pairwise=prefers_pairwise(self.axis)).squeeze(0)
+        return y + partial_grad_param(self.bias, self.axis) if self.bias is not None else y
 
 
 def linear_1d(in_features: int, out_features: int, bias: bool = True,
@@ -358,13 +362,16 @@ class VocabParallelEmbedding1D(ShardedModule):
         if self.axis.size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
         check_ids(ids, self.num_embeddings, 'VocabParallelEmbedding')
-        out = vocab_range_lookup(ids, self.weight, self.vocab_start, self.vocab_end,
-                                 self.padding_idx)
         if self.seq_dim is None:
-            return reduce_from(out, self.axis)
+            return reduce_from(self._lookup(ids), self.axis)
         check_sequence_block(ids.shape[self.seq_dim], self.axis)
-        return reduce_scatter_to(out, self.axis, self.seq_dim,
-                                 pairwise=prefers_pairwise(self.axis))
+        out = self._lookup(rank_major(ids, self.axis.size, self.seq_dim))  # overlap.py
+        return reduce_scatter_to(out, self.axis, 0,
+                                 pairwise=prefers_pairwise(self.axis)).squeeze(0)
+
+    def _lookup(self, ids):
+        return vocab_range_lookup(ids, self.weight, self.vocab_start, self.vocab_end,
+                                  self.padding_idx)
 
 
 def embedding_init(padding_idx: Optional[int], base: Optional[Init] = None) -> Init:
@@ -473,7 +480,8 @@ def zeros_init(t, g):
 class LayerNorm1D(ShardedModule):
     """LayerNorm (``rms=True``: RMSNorm, weight only) on replicated activations; weight and
     bias ``[h]`` replicated. No communication; sequence parallel: the input is the rank's
-    sequence block and the weight and bias gradients are all_reduced over the group."""
+    sequence block and the weight and bias gradients are summed over the group
+    (``partial_grad_param``)."""
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, dtype=None, axis=None,
                  rms: bool = False):
@@ -488,8 +496,8 @@ class LayerNorm1D(ShardedModule):
     def forward(self, x):
         weight, bias = self.weight, self.bias
         if tokens_dim(self.seq_dim, x) is not None:  # own tokens: the gradients are partial
-            weight = copy_to(weight, self.axis)
-            bias = None if bias is None else copy_to(bias, self.axis)
+            weight = partial_grad_param(weight, self.axis)
+            bias = None if bias is None else partial_grad_param(bias, self.axis)
         if self.rms:
             return rms_norm(x, weight, self.eps)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)

@@ -9,6 +9,14 @@ Under sequence parallelism (x split along the sequence, Megatron-style) the forw
 all_gathers x first; backward re-gathers it while dx = dy W is computed, then
 reduce_scatters dx while dW is computed, so only the local chunk of x is kept.
 
+Rank-major order. The gathered x arrives as ``[p, b, s/p, in]`` (rank r's block r-th), and
+reduce_scatter sends ``[p, b, s/p, in]``: ``[b, s, in]`` in the batch-first layout is a
+permuting copy of either (``rank_major`` / ``from_rank_major``). A linear is token-wise, so
+when the output is narrower than 1.5x the input the matmuls run in rank-major order
+instead: forward ``y = from_rank_major(gathered W^T)`` (one copy of the output),
+backward ``dy' = rank_major(dy)``, ``dx' = dy' W`` reduce_scattered as it is and
+``dW = dy'^T gathered`` (one copy of dy instead of two copies of x-sized tensors).
+
 The counts equal ``copy_to`` + ``F.linear``: one all_reduce of dx per call. Under
 autocast the operands are cast as autocast would cast them and saved in that dtype, so
 backward needs no autocast context; gradients are returned in the inputs' dtypes.
@@ -23,6 +31,18 @@ import torch.nn.functional as F
 from ...communication import collective as C
 from ...context import ProcessGroupAxis
 from ...tensor.adjacent import join_rows, joined_rows
+
+
+def rank_major(x: torch.Tensor, parts: int, dim: int) -> torch.Tensor:
+    """``x [.., n, ..]`` (``n`` along ``dim``) as ``[parts, .., n/parts, ..]``: chunk r of
+    ``dim`` first (a copy), the order of a gathered or to-be-scattered tensor."""
+    return x.unflatten(dim, (parts, x.shape[dim] // parts)).movedim(dim, 0).contiguous()
+
+
+def from_rank_major(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of :func:`rank_major`: ``[parts, .., c, ..]`` -> ``[.., parts * c, ..]`` with
+    the chunks along ``dim`` (of the result; a copy)."""
+    return x.movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -53,10 +73,17 @@ class _ColumnMatmul(torch.autograd.Function):
         if cast is not None:
             x, weight = x.to(cast), weight.to(cast)
             bias = None if bias is None else bias.to(cast)
-        full = x if seq_dim is None else C.all_gather(x, axis, seq_dim,
-                                                      pairwise=C.prefers_pairwise(axis))
+        ctx.rank_major = seq_dim is not None and 2 * weight.shape[0] < 3 * weight.shape[1]
+        if seq_dim is None:
+            full = x
+        elif ctx.rank_major:
+            full = C.all_gather(x.unsqueeze(0), axis, 0, pairwise=C.prefers_pairwise(axis))
+        else:
+            full = C.all_gather(x, axis, seq_dim, pairwise=C.prefers_pairwise(axis))
         with torch.autocast(device_type=device_type, enabled=False):
             y = F.linear(full, weight, bias)
+        if ctx.rank_major:
+            y = from_rank_major(y, seq_dim)
         ctx.save_for_backward(x, weight)
         ctx.axis, ctx.seq_dim, ctx.has_bias = axis, seq_dim, bias is not None
         return y
@@ -69,6 +96,16 @@ class _ColumnMatmul(torch.autograd.Function):
         if ctx.seq_dim is None:
             full = x
             pending = C.all_reduce(dy.matmul(weight), ctx.axis, async_op=True, inplace=True)
+        elif ctx.rank_major:
+            pairwise = C.prefers_pairwise(ctx.axis)
+            gathering = C.all_gather(x.unsqueeze(0), ctx.axis, 0, async_op=True,
+                                     pairwise=pairwise)
+            dy = rank_major(dy, ctx.axis.size, ctx.seq_dim)
+            dx_full = dy.matmul(weight)
+            full = gathering.wait()
+            scattering = C.reduce_scatter(dx_full, ctx.axis, 0, async_op=True,
+                                          pairwise=pairwise)
+            pending = C.Pending(None, lambda: scattering.wait().squeeze(0))
         else:
             pairwise = C.prefers_pairwise(ctx.axis)
             gathering = C.all_gather(x, ctx.axis, ctx.seq_dim, async_op=True, pairwise=pairwise)
