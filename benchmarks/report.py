@@ -131,10 +131,105 @@ def render_zero_memory(d: dict) -> str:
     return head + '\n'.join(_zero_rows(d)) + '\n\n' + verdicts
 
 
+def _bold(value: float, at_bar: bool, fmt: str) -> str:
+    text = fmt.format(value)
+    return f'**{text}**' if at_bar else text
+
+
+def _family(layout: str) -> str:
+    """The tensor family of a ``Candidate.describe`` string ('none', '1d', '2.5d', ...)."""
+    return re.search(r't=\d+\(([\w.]+)', layout).group(1)
+
+
+def _heldout_case_rows(d: dict) -> List[str]:
+    bars = {name: t['bar'] for name, t in d['targets'].items()}
+    rows = ['| case | layouts | τ all (CPU) | τ reported | regret | without Ulysses: τ / regret '
+            '| measured ÷ predicted | worst reported plan, memory by max (floor) |',
+            '|---|---|---|---|---|---|---|---|']
+    for c in d['cases']:
+        worst = max(c['reported_memory_error_max'], key=lambda m: abs(m['error']))
+        rest = c['without_ulysses']
+        rows.append(
+            f"| {c['model']}-{c['size']} {c['budget']} | {c['layouts']} | "
+            f"{_bold(c['kendall_tau'], c['kendall_tau'] >= bars['tau'], '{:.2f}')} "
+            f"({c['kendall_tau_cpu']:.2f}) | {c['kendall_tau_reported']:.2f} | "
+            f"{_bold(100 * c['pick_regret'], c['pick_regret'] <= bars['regret'], '{:.0f} %')} | "
+            f"{rest['kendall_tau']:.2f} / {100 * rest['pick_regret']:.0f} % | "
+            f"{c['measured_over_predicted']:.2f} | {100 * worst['error']:+.1f} % "
+            f"({100 * worst['floor_error']:+.1f} %) |")
+    return rows
+
+
+def _heldout_targets(d: dict) -> List[str]:
+    t = d['targets']
+    misses = [f"{c['model']}-{c['size']} {c['budget']} {100 * c['pick_regret']:.0f} %"
+              for c in d['cases'] if c['pick_regret'] > t['regret']['bar']]
+    at_bar = [f"{c['model']}-{c['size']} {c['budget']} {c['kendall_tau']:.2f}"
+              for c in d['cases'] if c['kendall_tau'] >= t['tau']['bar']]
+    verdict = {True: '**pass**', False: '**fail**'}
+    return [
+        '| target (held out) | measured | verdict |', '|---|---|---|',
+        f"| τ ≥ {t['tau']['bar']} in ≥ {t['tau']['share']:.0%} of cases | "
+        f"{t['tau']['cases_at_bar']} of {t['tau']['cases']} ({', '.join(at_bar) or 'none'}) | "
+        f"{verdict[t['tau']['passed']]} |",
+        f"| pick within {t['regret']['bar']:.0%} of the measured best | "
+        f"{t['regret']['cases_within']} of {t['regret']['cases']}"
+        + (f"; misses {', '.join(misses)}" if misses else '') +
+        f" | {verdict[t['regret']['passed']]} |",
+        f"| memory of every reported plan within {t['memory']['bar']:.0%} by the maximum | "
+        f"{t['memory']['plans_within']} of {t['memory']['plans']} (plan, budget) entries "
+        f"({t['memory']['plans_within_by_floor']} of {t['memory']['plans']} by the floor); "
+        f"worst {100 * t['memory']['worst']:+.1f} % | {verdict[t['memory']['passed']]} |"]
+
+
+def _heldout_noise(d: dict) -> List[str]:
+    rows = ['| model, budget | layouts | τ run vs run | median gap between runs | τ per run | '
+            'regret per run | run 1\'s best, regret in run 2 |', '|---|---|---|---|---|---|---|']
+    for model, cases in sorted(d['noise'].items()):
+        for n in cases:
+            rows.append(
+                f"| {model} {n['budget']} | {n['layouts']} | {n['kendall_tau_run_vs_run']:.2f} | "
+                f"{100 * n['median_run_gap']:.0f} % | "
+                f"{' / '.join(f'{x:.2f}' for x in n['kendall_tau_per_run'])} | "
+                f"{' / '.join(f'{100 * x:.0f} %' for x in n['pick_regret_per_run'])} | "
+                f"{100 * n['best_of_run_1_regret_in_run_2']:.0f} % |")
+    return rows
+
+
+def _heldout_families(d: dict) -> str:
+    """Measured ÷ predicted step time per model and tensor family: the median of its layouts."""
+    ratios: Dict[str, Dict[str, List[float]]] = {}
+    for r in d['results']:
+        ratios.setdefault(f"{r['model']}-{r['size']}", {}).setdefault(
+            _family(r['layout']), []).append(r['measured_step_s'] / r['predicted_step_s'])
+    return '; '.join(
+        f"{model}: " + ', '.join(f'{fam} {statistics.median(v):.2f}'
+                                 for fam, v in sorted(fams.items()))
+        for model, fams in sorted(ratios.items()))
+
+
+def render_planner_accuracy_heldout(d: dict) -> str:
+    """The held-out sweep: per case τ, regret and memory by the maximum; the targets' verdicts;
+    the noise of the models measured twice; measured ÷ predicted per tensor family."""
+    before, after = d['load_average_before'][0], d['load_average_after'][0]
+    tuned = 'tuned' if d['cost_model_tuned_on_held_out'] else 'not tuned'
+    head = (f"`python benchmarks/planner_accuracy.py --held-out` ({d['measure_s'] / 60:.0f} min "
+            f"of measurement; 1-min load average {before:.1f} before, {after:.1f} after, on "
+            f"{d['environment']['cpu_count']} cores; cost model {tuned} on these cases; "
+            f"{len(d['results'])} layouts, {len(d['failed'])} failed).\n\n")
+    noise = ', '.join(sorted(d['noise']))
+    return (head + '\n'.join(_heldout_case_rows(d)) + '\n\n' + '\n'.join(_heldout_targets(d))
+            + f'\n\nThe machine\'s own noise ({noise} measured twice in full):\n\n'
+            + '\n'.join(_heldout_noise(d))
+            + '\n\nMeasured ÷ predicted step time per tensor family (median of the layouts): '
+            + _heldout_families(d) + '.\n')
+
+
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     'gpt_tp_vs_torch': render_gpt_tp_vs_torch,
     'checkpoint_load_memory': render_checkpoint_load_memory,
     'zero_memory': render_zero_memory,
+    'planner_accuracy_heldout': render_planner_accuracy_heldout,
 }
 
 

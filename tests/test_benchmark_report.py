@@ -35,3 +35,18 @@ def test_regenerate_rewrites_only_the_block(tmp_path):
 def test_unknown_block_is_an_error(tmp_path):
     with pytest.raises(KeyError, match='unknown report block'):
         report.regenerate('<!-- report:nope -->\n<!-- /report -->', str(tmp_path))
+
+
+def test_heldout_tables_follow_the_stored_verdicts_and_bars():
+    """The held-out block's verdicts come from the JSON's targets, and bold marks a case at
+    the bar (τ ≥ 0.8, regret ≤ 10 %), not a fixed list."""
+    d = json.load(open(f'{report.RESULTS}/planner_accuracy_heldout.json'))
+    d['targets']['tau']['passed'] = True
+    d['cases'][0].update(kendall_tau=0.81, pick_regret=0.11)
+    text = report.render_planner_accuracy_heldout(d)
+    row = next(line for line in text.splitlines()
+               if line.startswith(f"| {d['cases'][0]['model']}-{d['cases'][0]['size']} "
+                                  f"{d['cases'][0]['budget']} |"))
+    assert '| **0.81** (' in row and '| 11 % |' in row
+    tau_line = next(line for line in text.splitlines() if line.startswith('| τ ≥'))
+    assert tau_line.endswith('| **pass** |')
