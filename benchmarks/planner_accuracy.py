@@ -67,7 +67,10 @@ the stored profile of results/planner_accuracy.json (measured on the micro-shape
 (``HELD_OUT_TARGETS``); ``NOISE_MODELS`` are measured twice in full, their τ and regret per
 run and run against run (``noise_of``); ``--held-out --repeat bert-h160 ...`` measures
 models' whole sweeps once more into the stored results (their noise too). ``--held-out
---reanalyse``: the stored measurements again.
+--reanalyse``: the stored measurements again. ``--held-out --set 2`` ->
+results/planner_accuracy_heldout2.json: set 2 (``HELD_OUT_2``), new shapes that judge the
+changes set 1 led to (the profile's Ulysses families), predicted from a profile measured
+fresh at the start of the sweep (stored in the JSON; ``--reanalyse`` reuses it).
 """
 from __future__ import annotations
 
@@ -77,6 +80,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -115,8 +119,9 @@ MODELS = {  # (kind, size) -> (options, seq or None for ViT, global batch)
 
 def model_entry(key):
     """(options, seq, batch) of ``key``: an in-sample model (``MODELS``) or a held-out one
-    (``HELD_OUT``, ``HELD_OUT_8``)."""
-    for table in (MODELS, HELD_OUT, HELD_OUT_8):
+    (``HELD_OUT_SETS``)."""
+    tables = [MODELS] + [t for s in HELD_OUT_SETS.values() for t in (s.models, s.eight)]
+    for table in tables:
         if key in table:
             return table[key]
     raise KeyError(key)
@@ -146,6 +151,42 @@ EIGHT_RANK_LAYOUTS = (  # (pipeline, tensor, mode, depth, data, schedule or None
 # measured in full twice (the machine's own noise, the same sweep twice); the other held-out
 # models measure their top plans twice (``TOP_ROUNDS``-style, one more round)
 NOISE_MODELS = (('vit', 'h112'), ('gpt', 'h96x8'))
+# Held-out set 2 (stop 35): new shapes for judging the profile's Ulysses family timings
+# (``profile.FAMILY_LAYOUTS``), a change made after set 1 showed Ulysses priced too fast; chosen
+# before the change was judged on anything. Predicted from a profile measured fresh at the
+# start of the sweep (set 1's stored profile has no Ulysses family).
+HELD_OUT_2 = {
+    ('gpt', 'h80'): (dict(vocab_size=448, max_positions=56, hidden=80, layers=4, heads=8,
+                          dropout=0.0), 56, 8),
+    ('bert', 'h144'): (dict(vocab_size=352, max_positions=80, hidden=144, layers=3, heads=8,
+                            nsp=False, dropout=0.0), 80, 8),
+    ('vit', 'h96'): (dict(img_size=20, patch_size=4, in_chans=3, num_classes=5, hidden=96,
+                          layers=2, heads=6, dropout=0.0), None, 8),
+    ('llama', 'h112'): (dict(vocab_size=288, max_positions=56, hidden=112, layers=2, heads=8,
+                             kv_heads=2, intermediate=288), 56, 8),
+}
+HELD_OUT_2_8 = {('gpt', 'h80x8'): HELD_OUT_2[('gpt', 'h80')]}
+
+
+@dataclass(frozen=True)
+class HeldOutSet:
+    """One held-out set: its 4-rank models, its 8-rank models (``EIGHT_RANK_LAYOUTS``), the
+    models measured twice in full (the noise), the results file, and whether its profile is
+    measured fresh at the start of the sweep (else set 1's: the stored one of
+    results/planner_accuracy.json)."""
+
+    models: dict
+    eight: dict
+    noise: tuple
+    name: str
+    fresh_profile: bool
+
+
+HELD_OUT_SETS = {
+    1: HeldOutSet(HELD_OUT, HELD_OUT_8, NOISE_MODELS, 'planner_accuracy_heldout', False),
+    2: HeldOutSet(HELD_OUT_2, HELD_OUT_2_8, (('vit', 'h96'), ('gpt', 'h80x8')),
+                  'planner_accuracy_heldout2', True),
+}
 HELD_OUT_TARGETS = dict(
     tau=dict(bar=0.8, share=0.8, what='Kendall tau (all layouts that fit) >= 0.8 in >= 80 % '
                                       'of cases'),
@@ -175,7 +216,9 @@ def held_out_clashes(models=None) -> list:
     micro = profile_micro_shapes()
     fam, block = micro['family'], micro['serial_block']
     out = []
-    for key, (opts, seq, _) in (models or {**HELD_OUT, **HELD_OUT_8}).items():
+    if models is None:
+        models = {k: v for s in HELD_OUT_SETS.values() for k, v in {**s.models, **s.eight}.items()}
+    for key, (opts, seq, _) in models.items():
         shape = model_shape(key[0], None, seq=seq, **opts)
         same = dict(hidden=opts['hidden'] in fam['hiddens'] + [block['hidden']],
                     heads=opts['heads'] in (fam['heads'], block['heads']),
@@ -534,9 +577,13 @@ def main():
     parser.add_argument('--repeat', nargs='+', default=(), metavar='MODEL',
                         help="with --held-out: measure these held-out models' sweeps once "
                              'more into the stored results (e.g. bert-h160)')
+    parser.add_argument('--set', type=int, default=1, choices=sorted(HELD_OUT_SETS),
+                        help='with --held-out: which held-out set (2: new shapes, a fresh '
+                             'profile with the Ulysses families; '
+                             'results/planner_accuracy_heldout2.json)')
     args = parser.parse_args()
     if args.held_out:
-        return held_out(args.reanalyse, args.repeat)
+        return held_out(args.reanalyse, args.repeat, args.set)
     if args.profile_sensitivity:
         return profile_sensitivity(args.profile_sensitivity)
     if args.memory_only:
@@ -704,14 +751,11 @@ def memory_only(reanalyse: bool = False, world: int = WORLD):
     machine), one warm-up step, the allocator's record; ``reanalyse``: the stored
     measurements with the current cost model. ``world`` != 4: :func:`eight_rank_subset`,
     results/planner_accuracy_memory_<world>.json."""
-    import dataclasses
     from colossal_lite.auto.cluster import ClusterProfile
     start = time.perf_counter()
     results = os.path.join(os.path.dirname(__file__), 'results')
     with open(os.path.join(results, 'planner_accuracy.json')) as f:
-        profile = ClusterProfile.from_json(json.load(f)['profile'])
-    profile = dataclasses.replace(profile, devices=max(profile.devices, world),
-                                  devices_per_node=max(profile.devices_per_node, world))
+        profile = widened(ClusterProfile.from_json(json.load(f)['profile']), world)
     name = 'planner_accuracy_memory' + ('' if world == WORLD else f'_{world}')
     if reanalyse:
         with open(os.path.join(results, name + '.json')) as f:
@@ -754,25 +798,29 @@ def held_out_profile():
     """The profile the held-out sweep predicts from: the stored sweep's (its own 11 rounds with
     the 23 of stops 20 - 21, ``results/planner_accuracy.json``), measured on the micro-shapes
     only and before any held-out model was looked at; its node widened to 8 ranks."""
-    import dataclasses
     with open(os.path.join(os.path.dirname(__file__), 'results', 'planner_accuracy.json')) as f:
-        profile = stored_profile(json.load(f))
-    return dataclasses.replace(profile, devices=max(profile.devices, 8),
-                               devices_per_node=max(profile.devices_per_node, 8))
+        return widened(stored_profile(json.load(f)))
 
 
-def held_out_sweep(profile, save):
-    """Measure the held-out set: the 4-rank models' exhaustive sweeps (each layout once, the
-    top plans once more, reversed), then the 8-rank set and the other ``NOISE_MODELS`` twice
+def widened(profile, world: int = 8):
+    """``profile`` with its node widened to ``world`` ranks (one machine: the 8-rank layouts)."""
+    import dataclasses
+    return dataclasses.replace(profile, devices=max(profile.devices, world),
+                               devices_per_node=max(profile.devices_per_node, world))
+
+
+def held_out_sweep(profile, save, held: HeldOutSet):
+    """Measure a held-out set: the 4-rank models' exhaustive sweeps (each layout once, the
+    top plans once more, reversed), then the 8-rank set and the other noise models twice
     in full (forward, then reversed);
     ``save(raw)`` after every run. Returns the raw measurements."""
-    once = [k for k in HELD_OUT if k not in NOISE_MODELS]
-    twice = [k for k in HELD_OUT if k in NOISE_MODELS]
+    once = [k for k in held.models if k not in held.noise]
+    twice = [k for k in held.models if k in held.noise]
     raw = []
     def keep(done):  # the runs so far: those of the groups before and this one's
         save(raw + done)
     raw += sweep(profile, once, 1, keep, top_rounds=1)
-    raw += sweep(profile, list(HELD_OUT_8), 2, keep, world=8, choose=eight_rank_candidates)
+    raw += sweep(profile, list(held.eight), 2, keep, world=8, choose=eight_rank_candidates)
     raw += sweep(profile, twice, 2, keep)
     return raw
 
@@ -894,26 +942,29 @@ def merge_runs(raw, more):
     return raw
 
 
-def held_out(reanalyse: bool = False, repeat=()):
-    """``--held-out``: the planner judged on shapes the profile never timed (module doc,
-    ``HELD_OUT``) -> results/planner_accuracy_heldout.json and .png. ``repeat``: held-out
+def held_out(reanalyse: bool = False, repeat=(), which: int = 1):
+    """``--held-out [--set N]``: the planner judged on shapes the profile never timed (module
+    doc, ``HELD_OUT_SETS[which]``) -> results/<its name>.json and .png. ``repeat``: held-out
     models ('bert-h160') whose whole 4-rank sweep is measured once more into the stored
     results (the noise of a case, ``noise_of``)."""
+    from colossal_lite.auto.profile import measure
     start = time.perf_counter()
-    clashes = held_out_clashes()
+    held = HELD_OUT_SETS[which]
+    every = {**held.models, **held.eight}
+    clashes = held_out_clashes(every)
     if clashes:
         raise SystemExit(f'held-out models share a profile micro-shape: {clashes}')
-    name = 'planner_accuracy_heldout'
+    name = held.name
     path = os.path.join(os.path.dirname(__file__), 'results', name + '.json')
-    profile = held_out_profile()
     if reanalyse or repeat:
         with open(path) as f:
             old = json.load(f)
+        profile = widened(stored_profile(old)) if held.fresh_profile else held_out_profile()
         raw, load_before, load_after = old['raw'], old['load_average_before'], old[
             'load_average_after']
         measured_s, repeats = old['measure_s'], old.get('repeats', [])
         if repeat:
-            keys = [k for k in HELD_OUT if f'{k[0]}-{k[1]}' in repeat]
+            keys = [k for k in held.models if f'{k[0]}-{k[1]}' in repeat]
             began, load = time.perf_counter(), os.getloadavg()
             raw = merge_runs(raw, sweep(profile, keys, 1))
             repeats.append(dict(models=[f'{k}-{s}' for k, s in keys], load_average_before=load,
@@ -921,32 +972,36 @@ def held_out(reanalyse: bool = False, repeat=()):
                                 measure_s=time.perf_counter() - began))
     else:
         load_before = os.getloadavg()
+        profile = (widened(measure('this machine (measured)', rounds=PROFILE_ROUNDS))
+                   if held.fresh_profile else held_out_profile())
         def save(raw):
             write_json(name, dict(raw=raw, load_average_before=load_before,
-                                  load_average_after=os.getloadavg(),
+                                  load_average_after=os.getloadavg(), profile=profile.to_json(),
                                   measure_s=time.perf_counter() - start, partial=True))
-        raw = held_out_sweep(profile, save)
+        raw = held_out_sweep(profile, save, held)
         load_after, measured_s = os.getloadavg(), time.perf_counter() - start
         repeats = []
     records = predict(raw, profile)
     cases = held_out_cases(records)
     noise = {}
-    for key in {**HELD_OUT, **HELD_OUT_8}:   # every model measured twice in full
+    for key in every:   # every model measured twice in full
         found = noise_of([r for r in records if (r['model'], r['size']) == key])
         if found:
             noise[f'{key[0]}-{key[1]}'] = found
     verdict = held_out_verdict(cases)
     _print_held_out(records, cases, noise, verdict)
+    source = ('measured at the start of this sweep (5 rounds, their median) on the micro-shapes'
+              if held.fresh_profile else 'the stored one of results/planner_accuracy.json, '
+              'measured on the micro-shapes before this sweep')
     write_json(name, dict(
-        held_out=True, cost_model_tuned_on_held_out=False,
-        note='No cost-model or profile change was judged on these cases; the profile is the '
-             'stored one of results/planner_accuracy.json, measured on the micro-shapes '
-             'before this sweep.',
+        held_out=True, held_out_set=which, cost_model_tuned_on_held_out=False,
+        note=f'No cost-model or profile change was judged on these cases; the profile is '
+             f'{source}.',
         targets=verdict, cases=cases, noise=noise,
         profile_micro_shapes=profile_micro_shapes(),
-        models={f'{k}-{s}': dict(options=o, seq=q, batch=b, world=8 if (k, s) in HELD_OUT_8
+        models={f'{k}-{s}': dict(options=o, seq=q, batch=b, world=8 if (k, s) in held.eight
                                  else WORLD)
-                for (k, s), (o, q, b) in {**HELD_OUT, **HELD_OUT_8}.items()},
+                for (k, s), (o, q, b) in every.items()},
         eight_rank_layouts=[list(x) for x in EIGHT_RANK_LAYOUTS], noise_models=list(noise),
         repeats=repeats,
         load_average_before=load_before, load_average_after=load_after, measure_s=measured_s,

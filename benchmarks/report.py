@@ -213,7 +213,9 @@ def render_planner_accuracy_heldout(d: dict) -> str:
     the noise of the models measured twice; measured ÷ predicted per tensor family."""
     before, after = d['load_average_before'][0], d['load_average_after'][0]
     tuned = 'tuned' if d['cost_model_tuned_on_held_out'] else 'not tuned'
-    head = (f"`python benchmarks/planner_accuracy.py --held-out` ({d['measure_s'] / 60:.0f} min "
+    which = d.get('held_out_set', 1)
+    command = '--held-out' + (f' --set {which}' if which != 1 else '')
+    head = (f"`python benchmarks/planner_accuracy.py {command}` ({d['measure_s'] / 60:.0f} min "
             f"of measurement; 1-min load average {before:.1f} before, {after:.1f} after, on "
             f"{d['environment']['cpu_count']} cores; cost model {tuned} on these cases; "
             f"{len(d['results'])} layouts, {len(d['failed'])} failed).\n\n")
@@ -230,6 +232,7 @@ RENDERERS: Dict[str, Callable[[dict], str]] = {
     'checkpoint_load_memory': render_checkpoint_load_memory,
     'zero_memory': render_zero_memory,
     'planner_accuracy_heldout': render_planner_accuracy_heldout,
+    'planner_accuracy_heldout2': render_planner_accuracy_heldout,
 }
 
 

@@ -166,6 +166,25 @@ def test_a_block_takes_the_timing_of_the_nearest_timed_width():
             entry['rest']))
 
 
+def test_ulysses_takes_its_timed_block_and_the_hybrid_the_one_of_its_t():
+    """Profiles since stop 35 time Ulysses 2 and 4 (``profile.FAMILY_LAYOUTS``): a Ulysses
+    block then costs the timed entry, collectives included (no α-β term on top), and a ring ×
+    Ulysses layout on t ranks the Ulysses entry of the same t; without an entry, the analytic
+    FLOPs + all_to_all path (what set 1 of the held-out sweep found 1.3 - 1.9x too fast)."""
+    from colossal_lite.auto.profile import FAMILY_LAYOUTS
+    assert ('ulysses', 2) in FAMILY_LAYOUTS and ('ulysses', 4) in FAMILY_LAYOUTS
+    entry = _entry(5e-3, 7e-11)
+    timed = _profile({'ulysses': {'4': entry}})
+    flops = 3 * SHAPE.block_flops(4 * 64)
+    for ring in (1, 2):
+        cand = Candidate(ParallelLayout(1, 4, 'ulysses', 1, 1, ring=ring), 1)
+        est = evaluate(SHAPE, timed, cand, 4)
+        assert est.terms['block_compute'] == pytest.approx(
+            entry['overhead'] + entry['seconds_per_flop'] * flops)
+        untimed = evaluate(SHAPE, _profile({}), cand, 4)
+        assert untimed.terms['block_compute'] != pytest.approx(est.terms['block_compute'])
+
+
 def test_adam_step_costs_per_element_and_per_tensor_stepped():
     """``cost.optimizer_time``: without ZeRO every local parameter tensor is one iteration of
     torch's per-tensor AdamW loop; ZeRO-1/2 step one flat slice per bucket, ZeRO-3 one per

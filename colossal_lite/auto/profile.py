@@ -271,7 +271,11 @@ def measure_block(hidden: int = 128, heads: int = 4, seq: int = 64,
                 backward_s=bwd, flops=1.0 / per_flop, overhead=overhead)
 
 
-FAMILY_LAYOUTS = ((None, 1), ('1d', 2), ('1d', 4), ('2d', 4), ('sequence', 2), ('sequence', 4))
+# Ulysses (stop 35): untimed, its FLOPs + all_to_all α-β priced it 1.3 - 1.9x too fast against
+# the timed families on held-out shapes; a Ulysses x ring layout on t ranks takes the Ulysses
+# block of t ranks (``family_entry``)
+FAMILY_LAYOUTS = ((None, 1), ('1d', 2), ('1d', 4), ('2d', 4), ('sequence', 2), ('sequence', 4),
+                  ('ulysses', 2), ('ulysses', 4))
 # the profile model's options (ModelEntry.profile: the options such a model takes)
 FAMILY_MODEL = dict(vocab_size=256, max_positions=64, hidden=128, heads=4, dropout=0.0)
 FAMILY_HIDDENS = (64, 128)   # block widths timed: the cost model takes the nearest (log scale)
