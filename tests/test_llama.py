@@ -5,7 +5,8 @@ The serial reference is the same engine on one rank. Compared at each of 3 AdamW
 the replica-averaged loss, every gathered gradient (after clipping) and the weights.
 Layouts: 1D t=2 (kv heads split) and t=4 (kv heads replicated per group of 2 ranks), 2D,
 2.5D (d=2), 3D, pp=2 x 1D, zero-bubble pp=2, ZeRO-3 x 1D, 1D with Megatron sequence
-parallelism (t=2, t=4, and under pp=2), the zigzag ring (P=4), Ulysses (U=4, kv heads
+parallelism (t=2, t=4, under pp=2 with 1F1B and zero bubble, with data 2, ZeRO-2 and ZeRO-3),
+the zigzag ring (P=4), Ulysses (U=4, kv heads
 repeated), ring x Ulysses (R=2 x U=2), and checkpoints written under 1D that load
 under 2D and 3D. Also: the rotary tables, Llama-3 frequency scaling and
 grouped-query attention against their closed forms, and the kv-head errors.
@@ -85,6 +86,10 @@ LAYOUTS = {  # id: (world, config, model options)
     'data2xtp2-sequence-parallel': (4, _config(SP(2)), ()),
     'zero2xtp2-sequence-parallel': (4, _config(SP(2), zero=dict(stage=2)), ()),
     'zero3xtp2-sequence-parallel': (4, _config(SP(2), zero=dict(stage=3)), ()),
+    # zero bubble's weight passes run after each micro-batch's input backward
+    'zero-bubble-xtp2-sequence-parallel': (4, _config(dict(
+        pipeline=dict(size=2, schedule='zero_bubble'), **SP(2)), num_microbatches=4),
+        (('layers', 4),)),
     'ring4-zigzag': (4, _config(dict(tensor=dict(size=4, mode='sequence'))), ()),
     'ulysses4-kv-repeated': (4, _config(dict(tensor=dict(size=4, mode='ulysses'))), ()),
     'ring2xulysses2': (4, _config(dict(tensor=dict(size=4, mode='ulysses', ring=2))), ()),
