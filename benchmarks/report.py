@@ -227,12 +227,33 @@ def render_planner_accuracy_heldout(d: dict) -> str:
             + _heldout_families(d) + '.\n')
 
 
+def render_tp_sequence_parallel(d: dict) -> str:
+    """1D + sequence parallelism over plain 1D: saved activations, step peak, tokens/s (wall
+    and CPU time, with the per-round ratios) against the targets."""
+    c, r, t = d['config'], d['ratios_sp_over_plain'], d['targets']
+    met = abs(1 - r['tokens_per_s']) <= t['tokens_per_s_within']
+    return (f"Measured (`benchmarks/tp_sequence_parallel.py`, Llama h={c['hidden']}, "
+            f"{c['layers']} layers, s={c['seq']}, b={c['batch']}, t={c['tensor']}, "
+            f"{c['rounds']} alternated launches of {c['steps']} steps; 1-min load average "
+            f"{d['load_average_before'][0]:.1f} -> {d['load_average_after'][0]:.1f} on "
+            f"{d['environment']['cpu_count']} cores): saved activations "
+            f"{r['saved_activation']:.3f}x plain 1D (target <= {t['saved_activation']}); the "
+            f"whole step's allocator peak (logits and gradients included) {r['step_peak']:.2f}x; "
+            f"tokens/s **{r['tokens_per_s']:.2f}x** (median of per-round ratios "
+            f"{r['tokens_per_s_median_of_rounds']:.2f}, rounds "
+            f"{_span(r['tokens_per_s_rounds'])}; CPU time "
+            f"{r['cpu_tokens_per_s_median_of_rounds']:.2f}x, rounds "
+            f"{_span(r['cpu_tokens_per_s_rounds'])}), target within "
+            f"{t['tokens_per_s_within']:.0%}: {'met' if met else 'not met'}.\n")
+
+
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     'gpt_tp_vs_torch': render_gpt_tp_vs_torch,
     'checkpoint_load_memory': render_checkpoint_load_memory,
     'zero_memory': render_zero_memory,
     'planner_accuracy_heldout': render_planner_accuracy_heldout,
     'planner_accuracy_heldout2': render_planner_accuracy_heldout,
+    'tp_sequence_parallel': render_tp_sequence_parallel,
 }
 
 
