@@ -130,15 +130,23 @@ def model_entry(key):
 # GPT blocks of width 64 / 128, 4 heads, s = 64, vocabulary 256 (``profile.FAMILY_*``), its
 # serial block h = 128, s = 64 -- so no prediction is a timing of the same model. Each differs
 # from them in width, heads, sequence length and vocabulary (ViT: image, patch, classes).
+def _held(vocab, seq, hidden, layers, heads, **extra):
+    """A held-out text model's (options, seq, global batch 8); ``max_positions`` = ``seq``."""
+    return dict(vocab_size=vocab, max_positions=seq, hidden=hidden, layers=layers,
+                heads=heads, **extra), seq, 8
+
+
+def _held_vit(img, hidden, layers, heads, classes):
+    """A held-out ViT's (options, None, global batch 8): 4 x 4 patches of 3 channels."""
+    return dict(img_size=img, patch_size=4, in_chans=3, num_classes=classes, hidden=hidden,
+                layers=layers, heads=heads, dropout=0.0), None, 8
+
+
 HELD_OUT = {  # (kind, size) -> (options, seq or None for ViT, global batch)
-    ('gpt', 'h96'): (dict(vocab_size=384, max_positions=48, hidden=96, layers=4, heads=6,
-                          dropout=0.0), 48, 8),
-    ('bert', 'h160'): (dict(vocab_size=320, max_positions=96, hidden=160, layers=2, heads=8,
-                            nsp=False, dropout=0.0), 96, 8),
-    ('vit', 'h112'): (dict(img_size=24, patch_size=4, in_chans=3, num_classes=7, hidden=112,
-                           layers=3, heads=8, dropout=0.0), None, 8),
-    ('llama', 'h96'): (dict(vocab_size=320, max_positions=40, hidden=96, layers=2, heads=8,
-                            kv_heads=4, intermediate=256), 40, 8),
+    ('gpt', 'h96'): _held(384, 48, 96, 4, 6, dropout=0.0),
+    ('bert', 'h160'): _held(320, 96, 160, 2, 8, nsp=False, dropout=0.0),
+    ('vit', 'h112'): _held_vit(24, 112, 3, 8, classes=7),
+    ('llama', 'h96'): _held(320, 40, 96, 2, 8, kv_heads=4, intermediate=256),
 }
 # the 8-rank set: the held-out GPT on layouts 4 ranks cannot hold (tensor size 8: 2.5D depth 2
 # and 3D; 2D x data; pipeline x 1D x data) and the interleaved pipeline beside its 1F1B,
@@ -156,14 +164,10 @@ NOISE_MODELS = (('vit', 'h112'), ('gpt', 'h96x8'))
 # before the change was judged on anything. Predicted from a profile measured fresh at the
 # start of the sweep (set 1's stored profile has no Ulysses family).
 HELD_OUT_2 = {
-    ('gpt', 'h80'): (dict(vocab_size=448, max_positions=56, hidden=80, layers=4, heads=8,
-                          dropout=0.0), 56, 8),
-    ('bert', 'h144'): (dict(vocab_size=352, max_positions=80, hidden=144, layers=3, heads=8,
-                            nsp=False, dropout=0.0), 80, 8),
-    ('vit', 'h96'): (dict(img_size=20, patch_size=4, in_chans=3, num_classes=5, hidden=96,
-                          layers=2, heads=6, dropout=0.0), None, 8),
-    ('llama', 'h112'): (dict(vocab_size=288, max_positions=56, hidden=112, layers=2, heads=8,
-                             kv_heads=2, intermediate=288), 56, 8),
+    ('gpt', 'h80'): _held(448, 56, 80, 4, 8, dropout=0.0),
+    ('bert', 'h144'): _held(352, 80, 144, 3, 8, nsp=False, dropout=0.0),
+    ('vit', 'h96'): _held_vit(20, 96, 2, 6, classes=5),
+    ('llama', 'h112'): _held(288, 56, 112, 2, 8, kv_heads=2, intermediate=288),
 }
 HELD_OUT_2_8 = {('gpt', 'h80x8'): HELD_OUT_2[('gpt', 'h80')]}
 
