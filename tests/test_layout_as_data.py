@@ -175,7 +175,9 @@ def test_gpt2_xl_on_meta_for_a_described_layout(name):
     assert all(p.is_meta for p in model.parameters())
     expected = 4 * _gpt_param_numel(layout, 50304, 1024, 1600, 48)
     assert parameter_bytes(model) == expected
-    assert elapsed < 2.0, f'meta build took {elapsed:.2f} s'
+    # a guard against per-element Python work in a meta build (it takes ~0.3 s here), not a
+    # speed claim: a wall-clock bound near the typical time fails on a slow CI host
+    assert elapsed < 20.0, f'meta build took {elapsed:.2f} s'
 
 
 def test_described_build_reports_split_errors_and_refuses_to_run():
