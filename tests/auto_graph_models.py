@@ -104,10 +104,10 @@ def _images():
             torch.randint(0, 5, (BATCH,), generator=_gen(2)))
 
 
-def llama():
+def llama(layers=LAYERS):
     from transformers import LlamaConfig, LlamaForCausalLM
     return CausalLM(LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
         num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=32)))
 
 
@@ -251,6 +251,8 @@ CASES: Dict[str, Case] = {
     'opt_untied': Case(_seeded(opt, tie=False), _ids, output_loss),
     't5_untied': Case(_seeded(t5, tie=False), _seq2seq, output_loss),
     'cnn': Case(_seeded(SmallCNN), _cnn_inputs, cross_entropy),
+    # 4 blocks: captured by stamping (auto/graph/stamp.py; test_auto_graph_stamp.py)
+    'llama_deep': Case(_seeded(llama, layers=4), _ids, output_loss),
     'odd_ops': Case(_seeded(OddOps), _odd_inputs, mse),
 }
 

@@ -24,7 +24,7 @@ from ..cluster import ClusterProfile, load_profile
 from .cost import GraphCost
 from .execute import CollectiveCounter, GraphRunner, distribute_parameters
 from .lower import LoweredStep, has_random_ops
-from .plan import Plan, names
+from .plan import Plan, fingerprint, names
 from .solver import InfeasibleBudget, Solution, solve
 from .space import Space
 from .strategies import placement_from_name
@@ -186,7 +186,8 @@ def plan_from_choice(space: Space, choice: Sequence[int], mesh: Dict[str, int], 
         if d.kind in ('param', 'buffer'):
             params[d.source] = names(st.outputs[0])
     return Plan(mesh=mesh, nodes=nodes, params=params, predicted=predicted,
-                unruled=list(space.unruled), level=level, search_seconds=seconds)
+                unruled=list(space.unruled), level=level, search_seconds=seconds,
+                graph=fingerprint(space.captured.graph))
 
 
 def apply_pins(space: Space, pins: Optional[Dict[str, Sequence[str]]]) -> None:
@@ -351,6 +352,12 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
         captured = capture(model, example_inputs, loss_fn)
     if plan is None:
         plan = _search_on_rank0(captured, axes, pins, cluster, memory_gb, level, device)
+    elif plan.graph and plan.graph != fingerprint(captured.graph):
+        raise ValueError(
+            f'this plan was made for another graph (fingerprint {plan.graph}, this model\'s '
+            f'capture {fingerprint(captured.graph)}, stamped repeated blocks: '
+            f'{captured.stamped or "none"}): a plan applies to the model, input shapes and '
+            f'capture it was made for (docs/auto_graph.md); plan the model again')
     device_mesh = init_device_mesh(device, tuple(axes.values()), mesh_dim_names=tuple(axes))
     distribute_parameters(model, device_mesh, {k: tuple(placement_from_name(p) for p in v)
                                                for k, v in plan.params.items()})

@@ -131,6 +131,8 @@ class GraphCost:
         self._steps: Dict[tuple, tuple] = {}
         self._matrices: Dict[tuple, np.ndarray] = {}
         self._names: Dict[int, List[tuple]] = {}
+        self._strategy_names: Dict[int, tuple] = {}   # id(Strategy) -> its names
+        self._compute: Dict[int, np.ndarray] = {}
         self._liveness: Optional[Liveness] = None
         self.overhead = float(cluster.compute.get('kernel_overhead_s', 0.0)) \
             if isinstance(cluster.compute, dict) else 0.0
@@ -206,6 +208,12 @@ class GraphCost:
         return cost
 
     def _node_cost(self, i: int) -> np.ndarray:
+        """Compute seconds of decision i per strategy (no loss gather); made once."""
+        if i not in self._compute:
+            self._compute[i] = self._compute_cost(i)
+        return self._compute[i]
+
+    def _compute_cost(self, i: int) -> np.ndarray:
         d = self.space.decisions[i]
         if d.kind != 'op':
             return np.zeros(len(d.strategies))
@@ -247,16 +255,22 @@ class GraphCost:
 
     def _codes(self, i: int):
         """Per strategy of decision i: (input names per slot, output names per output,
-        the consumer-side output names used for gradient duals)."""
+        the consumer-side output names used for gradient duals). Repeated blocks share
+        their Strategy objects, so the names are made once per object."""
         if i not in self._names:
-            rep = tuple('R' for _ in self.mesh_shape)
-            codes = []
-            for st in self.space.decisions[i].strategies:
-                ins = tuple(None if p is None else tuple(names(p)) for p in st.inputs)
-                outs = tuple(None if p is None else tuple(names(p)) for p in st.outputs)
-                codes.append((ins, outs, outs[0] if outs and outs[0] is not None else rep))
-            self._names[i] = codes
+            self._names[i] = [self._strategy_code(st)
+                              for st in self.space.decisions[i].strategies]
         return self._names[i]
+
+    def _strategy_code(self, st) -> tuple:
+        code = self._strategy_names.get(id(st))
+        if code is None:
+            ins = tuple(None if p is None else tuple(names(p)) for p in st.inputs)
+            outs = tuple(None if p is None else tuple(names(p)) for p in st.outputs)
+            rep = tuple('R' for _ in self.mesh_shape)
+            code = (ins, outs, outs[0] if outs and outs[0] is not None else rep)
+            self._strategy_names[id(st)] = code
+        return code
 
     def edges(self) -> List[Edge]:
         """One cost matrix [producer strategies, consumer strategies] per tensor input,

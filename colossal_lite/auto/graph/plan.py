@@ -5,10 +5,13 @@ Placements are written per mesh axis as ``R`` (Replicate), ``S<d>`` (Shard(d)) o
 'local'}``; ``params[fqn]`` repeats the parameters' placements. ``predicted`` holds the cost
 model's step seconds, memory bytes per rank and collective bytes per op. A plan is bound to
 the graph it was made for by node names: re-applying it to the same model and input shapes
-needs no search (``parallelize(model, inputs, plan=plan)``).
+needs no search (``parallelize(model, inputs, plan=plan)``). ``graph`` is that graph's
+:func:`fingerprint`; a plan applied to another graph (another model, other shapes, a full
+trace where the plan's capture stamped repeated blocks) is an error, not a silent mismatch.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
@@ -25,6 +28,13 @@ def from_names(values) -> Optional[tuple]:
     return None if values is None else tuple(placement_from_name(v) for v in values)
 
 
+def fingerprint(graph) -> str:
+    """A short hash of the graph's node names, ops and output shapes, in order."""
+    text = '\n'.join(f'{n.name} {n.target} {tuple(getattr(n.meta.get("val"), "shape", ()))}'
+                     for n in graph.nodes)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
 @dataclass
 class Plan:
     mesh: Dict[str, int]
@@ -34,6 +44,7 @@ class Plan:
     unruled: List[str] = field(default_factory=list)
     level: str = 'fast'
     search_seconds: float = 0.0
+    graph: str = ''             # fingerprint() of the graph planned ('' in older plans)
 
     # --------------------------------------------------------------- strategies
     def strategy(self, name: str) -> Strategy:

@@ -10,6 +10,10 @@ attention``) so the planner can give it a head or batch split.
 The backward is not traced: every op's backward is taken by autograd at run time from the
 same sharded inputs, and the planner prices it as the forward's dual (docs/auto_graph.md).
 
+A model holding a list of >= 4 identical blocks is traced two blocks deep and the others are
+stamped from the second (``stamp.py``: export time grows with depth; the stamped graph runs
+the same ops as the full trace, and every check that could tell them apart falls back to it).
+
 A model ``torch.export`` cannot trace (data-dependent Python control flow, unsupported
 Python) raises :class:`GraphBreakError`, which names the cause and the model's source line.
 """
@@ -17,13 +21,14 @@ from __future__ import annotations
 
 import re
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from .fused import mark_fused
+from .stamp import capture_stamped
 
 # ops kept whole through decomposition: the planner has its own rules for them
 KEEP = (torch.ops.aten.scaled_dot_product_attention.default,)
@@ -56,11 +61,13 @@ class Captured:
     """The decomposed graph and what its placeholders are.
 
     ``inputs[i]`` names placeholder i: ``('param', fqn)``, ``('buffer', fqn)``,
-    ``('constant', fqn)`` or ``('input', k)`` (the k-th example input)."""
+    ``('constant', fqn)`` or ``('input', k)`` (the k-th example input). ``stamped``: the
+    lists of repeated blocks traced two blocks deep and stamped (``stamp.py``)."""
 
     graph_module: torch.fx.GraphModule
     inputs: List[tuple]
     constants: Dict[str, torch.Tensor]
+    stamped: List[str] = field(default_factory=list)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -87,24 +94,21 @@ def _decompositions():
     return table
 
 
-def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor],
-            loss_fn: Optional[Callable] = None) -> Captured:
-    """See the module doc. ``example_inputs`` are the full tensors every rank passes."""
-    wrapped = _WithLoss(model, loss_fn)
+def _export(wrapped: _WithLoss, example_inputs: Sequence[torch.Tensor]):
+    """(graph module, placeholder table, constants) of the decomposed export of ``wrapped``."""
     try:
         exported = torch.export.export(wrapped, tuple(example_inputs), strict=False)
     except Exception as exc:  # every export failure is a graph break for the user
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise GraphBreakError(
-            f'cannot capture {type(model).__name__} as one graph: {type(exc).__name__}: '
-            f'{first} (at {_user_frame(exc)}); rewrite the data-dependent Python there '
-            f'(e.g. with torch.where or torch.cond) or pass a traceable loss_fn') from exc
+            f'cannot capture {type(wrapped.model).__name__} as one graph: '
+            f'{type(exc).__name__}: {first} (at {_user_frame(exc)}); rewrite the '
+            f'data-dependent Python there (e.g. with torch.where or torch.cond) or pass a '
+            f'traceable loss_fn') from exc
     exported = exported.run_decompositions(_decompositions())
-    gm = exported.graph_module
-    sig = exported.graph_signature
     inputs: List[tuple] = []
     user = 0
-    for spec in sig.input_specs:
+    for spec in exported.graph_signature.input_specs:
         kind = spec.kind.name
         if kind == 'PARAMETER':
             inputs.append(('param', _strip(spec.target)))
@@ -116,6 +120,18 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor],
             inputs.append(('input', user))
             user += 1
     constants = {k: v for k, v in exported.constants.items() if isinstance(v, torch.Tensor)}
+    return exported.graph_module, inputs, constants
+
+
+def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor],
+            loss_fn: Optional[Callable] = None, stamp_repeats: bool = True) -> Captured:
+    """See the module doc. ``example_inputs`` are the full tensors every rank passes.
+    ``stamp_repeats``: trace two blocks of a list of identical ones and stamp the rest
+    (``stamp.py``; the full trace wherever its checks fail)."""
+    wrapped = _WithLoss(model, loss_fn)
+    stamped = capture_stamped(lambda: _export(wrapped, example_inputs), wrapped, model,
+                              example_inputs) if stamp_repeats else None
+    (gm, inputs, constants), lists = stamped or (_export(wrapped, example_inputs), [])
     out = [n for n in gm.graph.nodes if n.op == 'output'][0]
     result = out.args[0]
     if len(result) != 1 or not isinstance(result[0].meta.get('val'), torch.Tensor) \
@@ -123,7 +139,7 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor],
         raise ValueError(f'{type(model).__name__} with loss_fn={loss_fn!r} must return one '
                          f'scalar loss to be planned; pass loss_fn(output, *inputs)')
     mark_fused(gm.graph)        # head-aligned splits of fused projections (fused.py)
-    return Captured(gm, inputs, constants)
+    return Captured(gm, inputs, constants, lists)
 
 
 def _strip(fqn: str) -> str:
