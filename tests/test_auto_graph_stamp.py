@@ -2,7 +2,8 @@
 
 * transformers' GPT-2, BERT, ViT, Llama, Qwen2 and GPT-NeoX with 5 blocks are stamped (two
   blocks traced) and give the full trace's ops in the same order, its placeholder table and
-  its loss, bit for bit, from the real weights;
+  its loss, bit for bit, from the real weights; so are T5's encoder and decoder, stamped from
+  block 1 on (block 0 alone holds the relative-position bias every later block reads);
 * not stamped, and equal to the full trace: Qwen2 with sliding-window attention from block
   2 on (its later blocks read another mask: same ops, same shapes), blocks whose later
   members run other ops, blocks sharing one parameter, a loop whose outputs are all read
@@ -52,12 +53,13 @@ def _stamped_as_full(model, inputs, loss_fn):
 @pytest.mark.parametrize('name, blocks', [
     ('gpt2', 'model.transformer.h'), ('bert', 'model.bert.encoder.layer'),
     ('vit', 'model.vit.layers'), ('llama', 'model.model.layers'),
-    ('qwen2', 'model.model.layers'), ('gpt_neox', 'model.gpt_neox.layers')])
+    ('qwen2', 'model.model.layers'), ('gpt_neox', 'model.gpt_neox.layers'),
+    ('t5', 'model.encoder.block model.decoder.block')])
 def test_hf_models_are_stamped_and_equal_the_full_trace(name, blocks, monkeypatch):
     monkeypatch.setattr(agm, 'LAYERS', BLOCKS)
     case = agm.CASES[name]
     model = agm.llama(layers=BLOCKS) if name == 'llama' else case.build()
-    assert _stamped_as_full(model, case.inputs(), case.loss_fn) == [blocks]
+    assert _stamped_as_full(model, case.inputs(), case.loss_fn) == blocks.split()
 
 
 def test_sliding_window_from_block_2_is_not_stamped():

@@ -1,17 +1,21 @@
 """Capture a deep model by tracing two of its repeated blocks and stamping the others.
 
 ``torch.export`` and its decomposition cost time per traced op: about 0.3 s per layer at
-Llama-3-8B shapes, so 32 layers take ~8 s before any search. A model that holds a list of
-N >= ``MIN_BLOCKS`` identical blocks (an ``nn.ModuleList`` / ``nn.Sequential`` of modules of
-one class with the same parameter and buffer names, shapes and dtypes) is captured instead as:
+Llama-3-8B shapes, so 32 layers take ~8 s before any search. A model that holds a list
+(``nn.ModuleList`` / ``nn.Sequential``) whose blocks from ``s`` on (s = 0, or 1 where block 0
+differs: T5's holds the relative-position bias) are N - s >= ``MIN_BLOCKS`` modules of one
+class with the same parameter and buffer names, shapes and dtypes is captured instead as
+follows ("block 0" and "block 1" are blocks s and s + 1; what earlier blocks make or hold is
+read like a value from before the blocks):
 
 1. **proof of sameness** -- one forward on fake tensors (``functional_call`` with fake
-   stand-ins of every parameter and buffer under ``FakeTensorMode``, so the model's own
-   tensors are not touched, nothing is computed and no RNG is drawn) logs the ATen ops and
-   argument shapes each block runs. Blocks 1..N-1
-   must run the same sequence, and nothing may run between two of them;
-2. **trace** -- ``torch.export`` of the model with each such list cut to its first two
-   blocks;
+   stand-ins of every parameter and buffer under ``FakeTensorMode``: the model's own tensors
+   are not touched, nothing is computed, no RNG is drawn) logs every ATen op with, per
+   tensor argument, its shape, dtype and origin: an op of the same block, of the block d
+   before, a parameter of block j - d, or one tensor shared by all. Blocks 1..N-1 must give
+   the same log, nothing may run between two of them, and the ops after the blocks may read
+   no block but the last;
+2. **trace** -- ``torch.export`` of the model with each such list cut after block 1;
 3. **stamp** -- block 1's nodes are copied N-2 times after it. In copy j a read of a block-0
    node (the value carried into block 1, e.g. the residual stream) becomes a read of copy
    j-1's counterpart of that node's block-1 twin; block 1's parameters and buffers become new
@@ -21,9 +25,10 @@ one class with the same parameter and buffer names, shapes and dtypes) is captur
 The stamped graph runs the ops a full trace runs, in the same order, on the same shapes (the
 tests compare both, and the loss they compute, bit for bit). Node names differ from a full
 trace's, so a :class:`~colossal_lite.auto.graph.plan.Plan` applies to the capture mode that
-made it. Any check that fails -- ops that differ per block (a per-layer sliding window),
-shared parameters, data-dependent ops fake tensors cannot run, a block-0 value read after
-the blocks -- gives the full trace, unchanged.
+made it (its fingerprint says which). Any check that fails -- blocks that read other values
+though they run the same ops (Qwen2's sliding window from block 2 on), ops that differ per
+block, shared parameters, data-dependent ops fake tensors cannot run, a block-0 value read
+after the blocks -- gives the full trace, unchanged.
 """
 from __future__ import annotations
 
@@ -44,11 +49,13 @@ MIN_BLOCKS = 4          # fewer blocks save at most one block's trace: not worth
 
 @dataclass
 class Repeated:
-    """A list of ``count`` identical blocks at ``fqn`` (relative to the model)."""
+    """A list of ``count`` blocks at ``fqn`` (relative to the model), identical from block
+    ``start`` on (T5's block 0 alone holds the relative-position bias)."""
 
     fqn: str
     module: nn.Module
     count: int
+    start: int = 0
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -58,20 +65,22 @@ def _signature(block: nn.Module) -> tuple:
 
 
 def repeated_lists(model: nn.Module) -> List[Repeated]:
-    """The outermost lists of >= MIN_BLOCKS blocks with one signature, no parameter shared."""
+    """The outermost lists whose blocks from ``start`` (0 or 1) on are >= MIN_BLOCKS of one
+    signature, no parameter shared among them."""
     found: List[Repeated] = []
     for fqn, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < MIN_BLOCKS:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) \
+                or any(fqn.startswith(r.fqn + '.') for r in found):
             continue
-        if any(fqn.startswith(r.fqn + '.') for r in found):
-            continue
-        blocks = list(module)
-        if len({_signature(b) for b in blocks}) != 1 or not list(blocks[0].parameters()):
-            continue
-        ids = [id(p) for b in blocks for p in b.parameters()]
-        if len(ids) != len(set(ids)):
-            continue
-        found.append(Repeated(fqn, module, len(blocks)))
+        for start in (0, 1):
+            blocks = list(module)[start:]
+            if len(blocks) < MIN_BLOCKS or len({_signature(b) for b in blocks}) != 1 \
+                    or not list(blocks[0].parameters()):
+                continue
+            ids = [id(p) for b in blocks for p in b.parameters()]
+            if len(ids) == len(set(ids)):
+                found.append(Repeated(fqn, module, len(module), start))
+                break
     return found
 
 
@@ -111,18 +120,21 @@ class _OpLog(TorchDispatchMode):
         return out
 
 
-def _block_view(log: _OpLog, spans: List[Tuple[int, int]], j: int, leaves: Dict[int, tuple]):
+def _block_view(log: _OpLog, spans: List[Tuple[int, int]], j: int, leaves: Dict[int, tuple],
+                first: int = 0):
     """Block j's ops with each tensor argument named relative to the block: made inside it
     (``('in', op, k)``), by the block ``d`` before (``('back', d, op, k)``, op relative to that
     block), a parameter of block ``j - d`` (``('param', d, name)``) or the same tensor for all
-    blocks (``('shared', producer)``)."""
+    blocks (``('shared', producer)``): anything from before the blocks or from, or of, a block
+    before ``first`` (T5's block 0 makes the position bias every later block reads)."""
     def where(producer):
         if producer[0] == 'leaf':
             owner = leaves.get(producer[1])
-            return ('param', j - owner[0], owner[1]) if owner else ('shared', producer)
+            return ('param', j - owner[0], owner[1]) if owner and owner[0] >= first \
+                else ('shared', producer)
         op, k = producer
         for b, (start, stop) in enumerate(spans):
-            if start <= op < stop:
+            if start <= op < stop and b >= first:
                 return ('in', op - start, k) if b == j else ('back', j - b, op - start, k)
         return ('shared', producer)
 
@@ -134,7 +146,8 @@ def _block_view(log: _OpLog, spans: List[Tuple[int, int]], j: int, leaves: Dict[
 
 def blocks_run_alike(root: nn.Module, inputs: Sequence[torch.Tensor],
                      lists: List[Repeated]) -> bool:
-    """Step 1 of the module doc: blocks 1..N-1 of every list compute one function -- the
+    """Step 1 of the module doc: blocks s+1..N-1 of every list (s its ``start``) compute
+    one function -- the
     same ops on the same shapes, reading their own op's outputs, the block before's, their
     own parameters and the same shared tensors -- with no op between two blocks, and the ops
     after the blocks read no block but the last. False when the fake forward cannot run."""
@@ -165,7 +178,8 @@ def blocks_run_alike(root: nn.Module, inputs: Sequence[torch.Tensor],
         s = [tuple(span) for span in spans[id(r.module)]]
         if len(s) != r.count or any(b is None for _, b in s):
             return False                       # a block ran twice, or not at all
-        if any(b != c for (_, b), (c, _) in zip(s[1:], s[2:])):
+        first = r.start
+        if any(b != c for (_, b), (c, _) in zip(s[first:], s[first + 1:])):
             return False                       # something ran between two blocks
         prefix = re.compile(r'(?:.*\.)?' + re.escape(r.fqn) + r'\.(\d+)\.(.+)$')
         leaves = {}
@@ -173,8 +187,9 @@ def blocks_run_alike(root: nn.Module, inputs: Sequence[torch.Tensor],
             m = prefix.match(name)
             if m:
                 leaves[tid] = (int(m.group(1)), m.group(2))
-        first = _block_view(log, s, 1, leaves)
-        if any(_block_view(log, s, j, leaves) != first for j in range(2, r.count)):
+        template = _block_view(log, s, first + 1, leaves, first)
+        if any(_block_view(log, s, j, leaves, first) != template
+               for j in range(first + 2, r.count)):
             return False
         last_start, last_stop = s[-1]
         for func, args in log.ops[last_stop:]:
@@ -187,11 +202,11 @@ def blocks_run_alike(root: nn.Module, inputs: Sequence[torch.Tensor],
 
 @contextmanager
 def cut_to_two(lists: List[Repeated]):
-    """Each list holds only its first two blocks inside the ``with``."""
+    """Each list holds only its blocks up to ``start + 1`` inside the ``with``."""
     saved = [r.module._modules for r in lists]
     try:
         for r in lists:
-            r.module._modules = OrderedDict(list(r.module._modules.items())[:2])
+            r.module._modules = OrderedDict(list(r.module._modules.items())[:r.start + 2])
         yield
     finally:
         for r, modules in zip(lists, saved):
@@ -213,10 +228,10 @@ def _block_of(node: torch.fx.Node, prefix: str) -> Optional[int]:
     return None
 
 
-def _renumber(meta: dict, prefix: str, j: int) -> dict:
-    """A copy of ``meta`` whose module paths under ``prefix.1`` name ``prefix.j``."""
+def _renumber(meta: dict, prefix: str, i: int, j: int) -> dict:
+    """A copy of ``meta`` whose module paths under ``prefix.i`` name ``prefix.j``."""
     meta = dict(meta)
-    old = re.compile(re.escape(prefix) + r'\.1(?=\.|$)')
+    old = re.compile(re.escape(prefix) + rf'\.{i}(?=\.|$)')
     stack = meta.get('nn_module_stack')
     if stack:
         meta['nn_module_stack'] = {old.sub(f'{prefix}.{j}', k): (old.sub(f'{prefix}.{j}', p), t)
@@ -224,11 +239,14 @@ def _renumber(meta: dict, prefix: str, j: int) -> dict:
     return meta
 
 
-def stamp(gm: torch.fx.GraphModule, inputs: List[tuple], fqn: str, count: int,
+def stamp(gm: torch.fx.GraphModule, inputs: List[tuple], fqn: str, count: int, start: int = 0,
           root_prefix: str = 'model') -> List[tuple]:
-    """Step 3 of the module doc on the two-block graph of the list at ``fqn`` (a model
-    fqn; ``root_prefix`` is the export root's name for the model). Returns the new
-    placeholder table (``Captured.inputs``); raises :class:`NotStampable`."""
+    """Step 3 of the module doc on the graph of the list at ``fqn`` (a model fqn) cut after
+    block ``start + 1``: "block 0" and "block 1" there are blocks ``start`` and ``start + 1``,
+    and anything of earlier blocks is read like a value from before the blocks.
+    ``root_prefix`` is the export root's name for the model. Returns the new placeholder
+    table (``Captured.inputs``); raises :class:`NotStampable`."""
+    first, second = start, start + 1
     graph = gm.graph
     prefix = f'{root_prefix}.{fqn}' if fqn else root_prefix
     placeholders = [n for n in graph.nodes if n.op == 'placeholder']
@@ -241,22 +259,24 @@ def stamp(gm: torch.fx.GraphModule, inputs: List[tuple], fqn: str, count: int,
             param_of[node] = (int(m.group(1)), m.group(2))
     ops = [n for n in graph.nodes if n.op not in ('placeholder', 'output')]
     where = [_block_of(n, prefix) for n in ops]
-    b0 = [n for n, w in zip(ops, where) if w == 0]
-    b1 = [n for n, w in zip(ops, where) if w == 1]
+    b0 = [n for n, w in zip(ops, where) if w == first]
+    b1 = [n for n, w in zip(ops, where) if w == second]
     if not b0 or len(b0) != len(b1):
-        raise NotStampable(f'blocks 0 and 1 of {fqn} have {len(b0)} and {len(b1)} nodes')
+        raise NotStampable(f'blocks {first} and {second} of {fqn} have {len(b0)} and '
+                           f'{len(b1)} nodes')
     start = ops.index(b0[0])
     if ops[start:start + 2 * len(b0)] != b0 + b1:
-        raise NotStampable(f'the nodes of blocks 0 and 1 of {fqn} are not contiguous')
+        raise NotStampable(f'the nodes of blocks {first} and {second} of {fqn} are not '
+                           f'contiguous')
     twin = dict(zip(b0, b1))                         # block-0 node -> its block-1 twin
     in_b0, in_b1 = set(b0), set(b1)
     param_twin = {}
     by_rest = {(blk, rest): node for node, (blk, rest) in param_of.items()}
     for node, (blk, rest) in param_of.items():
-        if blk == 0:
-            if (1, rest) not in by_rest:
-                raise NotStampable(f'{fqn}.1 has no twin of {fqn}.0.{rest}')
-            param_twin[node] = by_rest[(1, rest)]
+        if blk == first:
+            if (second, rest) not in by_rest:
+                raise NotStampable(f'{fqn}.{second} has no twin of {fqn}.{first}.{rest}')
+            param_twin[node] = by_rest[(second, rest)]
     for a, b in zip(b0, b1):
         if a.target != b.target or a.op != b.op:
             raise NotStampable(f'{a.name} and {b.name} differ ({a.target} / {b.target})')
@@ -279,15 +299,15 @@ def stamp(gm: torch.fx.GraphModule, inputs: List[tuple], fqn: str, count: int,
     after = ops[start + 2 * len(b0):]
     for n in after:
         if any(isinstance(x, torch.fx.Node) and x in in_b0 for x in n.all_input_nodes):
-            raise NotStampable(f'{n.name} after the blocks reads block 0 of {fqn}')
+            raise NotStampable(f'{n.name} after the blocks reads block {first} of {fqn}')
     # the copies
-    b1_params = [n for n, (blk, _) in param_of.items() if blk == 1]
+    b1_params = [n for n, (blk, _) in param_of.items() if blk == second]
     insert_after = max(b1_params, key=placeholders.index) if b1_params else None
     new_spec = dict(spec)
     previous = {n: n for n in b1}                    # copy j-1's node for each block-1 node
     anchor = b1[-1]
     post_users = {n: [u for u in n.users if u not in in_b1] for n in b1}
-    for j in range(2, count):
+    for j in range(second + 1, count):
         params = {}
         for p in b1_params:
             kind, _ = spec[p]
@@ -311,7 +331,7 @@ def stamp(gm: torch.fx.GraphModule, inputs: List[tuple], fqn: str, count: int,
         for n in b1:
             with graph.inserting_after(anchor):
                 new = graph.node_copy(n, arg)
-            new.meta = _renumber(n.meta, prefix, j)
+            new.meta = _renumber(n.meta, prefix, second, j)
             current[n] = anchor = new
         previous = current
     for n, users in post_users.items():
@@ -336,7 +356,7 @@ def capture_stamped(export: Callable[[], tuple], root: nn.Module, model: nn.Modu
         gm, table, *rest = export()
     try:
         for r in lists:
-            table = stamp(gm, table, r.fqn, r.count)
+            table = stamp(gm, table, r.fqn, r.count, r.start)
     except NotStampable:
         return None
     return (gm, table, *rest), [r.fqn for r in lists]
