@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks._common import environment, print_table, timed_ratios, write_json  # noqa: E402
+from benchmarks._common import (adamw_step, environment, print_table, timed_ratios,  # noqa: E402
+                                write_json)
 
 MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'profiles',
                         'stops20_21.json')
@@ -69,23 +70,11 @@ def batch(name: str) -> tuple:
     return ids, torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen)
 
 
-def _loss(out):
-    return out.loss
-
-
 def _max_over_ranks(value: int) -> int:
     import torch.distributed as dist
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
-
-
-def _step(model, opt, inputs):
-    def step():
-        opt.zero_grad(set_to_none=True)
-        _loss(model(*inputs)).backward()
-        opt.step()
-    return step
 
 
 def bench_rank(rank, args):
@@ -104,7 +93,7 @@ def bench_rank(rank, args):
 
     def wrap():      # under the tracker: DDP's gradient buckets (the gradients) count
         box['ddp'] = DistributedDataParallel(model, gradient_as_bucket_view=True)
-        box['step'] = _step(box['ddp'], torch.optim.AdamW(model.parameters(), lr=1e-4), shard)
+        box['step'] = adamw_step(box['ddp'], lambda m, x: m(*x).loss, shard)
 
     def dp_step():
         box['step']()
@@ -116,15 +105,10 @@ def bench_rank(rank, args):
                              cluster=args['cluster'])
     with torch.no_grad():
         auto_loss = auto(*inputs).item()
-        serial_loss = _loss(build(name)(*inputs)).item()
+        serial_loss = build(name)(*inputs).loss.item()
     if abs(auto_loss - serial_loss) > 1e-4 * max(1.0, abs(serial_loss)):
         raise RuntimeError(f'{name}: auto loss {auto_loss} != serial {serial_loss}')
-    opt = torch.optim.AdamW(auto.parameters(), lr=1e-4)
-
-    def auto_step():
-        opt.zero_grad(set_to_none=True)
-        auto(*inputs).backward()
-        opt.step()
+    auto_step = adamw_step(auto, lambda m, x: m(*x), inputs)
     held = list(auto.parameters()) + list(auto.buffers()) + list(inputs)
     auto_peak = _max_over_ranks(max(peak_live_bytes([auto_step] * STEPS, held)))
     timed = timed_ratios({'auto': auto_step, 'dp': dp_step}, 'auto', 'dp', args['repeats'],

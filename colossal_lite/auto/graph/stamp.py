@@ -201,7 +201,7 @@ def blocks_run_alike(root: nn.Module, inputs: Sequence[torch.Tensor],
 
 
 @contextmanager
-def cut_to_two(lists: List[Repeated]):
+def cut_after_template(lists: List[Repeated]):
     """Each list holds only its blocks up to ``start + 1`` inside the ``with``."""
     saved = [r.module._modules for r in lists]
     try:
@@ -347,12 +347,12 @@ def capture_stamped(export: Callable[[], tuple], root: nn.Module, model: nn.Modu
                     inputs: Sequence[torch.Tensor]) -> Optional[Tuple[tuple, List[str]]]:
     """``(export() result, the stamped lists' fqns)``: ``export`` -- which returns
     ``(graph_module, placeholder table, *rest)`` of ``root``, whose submodule ``model`` is
-    the user's -- run under :func:`cut_to_two`, its graph stamped. None where the module doc
+    the user's -- run under :func:`cut_after_template`, its graph stamped. None where the module doc
     says the full trace is taken."""
     lists = repeated_lists(model)
     if not lists or not blocks_run_alike(root, inputs, lists):
         return None
-    with cut_to_two(lists):
+    with cut_after_template(lists):
         gm, table, *rest = export()
     try:
         for r in lists:
