@@ -93,22 +93,21 @@ def _initialize_self_synchronizing(settings: Settings, model, optimizer, criteri
                                    train_dataloader, test_dataloader, lr_scheduler):
     """A model whose parameters are DTensors placed by a graph plan: its weights are
     already identical where replicated and its gradients already summed by the plan, so no
-    broadcast and no data-parallel handler; AMP, clipping and micro-steps as usual."""
+    broadcast and no data-parallel handler; AMP, clipping and micro-steps as usual, and the
+    pipeline runtime when the model holds pipeline stages (``PipelinedAutoModel``)."""
     if settings.zero is not None:
         raise NotImplementedError(f'zero stage {settings.zero.stage} with a graph-planned '
                                   f'model: the plan already shards what it shards; drop zero '
                                   f'or use a hand layout')
-    if settings.pipeline.size > 1:
-        raise NotImplementedError('parallel.pipeline > 1 with a graph-planned model: the '
-                                  'graph planner does not cut stages yet')
     if settings.amp.mode in ('naive', 'apex'):
         raise NotImplementedError(f"fp16 mode {settings.amp.mode!r} with a graph-planned model: "
                                   f"its graph was captured with fp32 weights; use "
                                   f"fp16=dict(mode='torch') with parallelize(..., autocast=dtype)")
     amp = build_amp(settings.amp.as_dict(), model, optimizer)
+    schedule, num_microbatches = choose_schedule(settings, amp.model)  # stages: the runtime
     engine = Engine(amp.model, amp.optimizer, criterion, gradient_handler=None, amp=amp,
                     clip_grad_norm=settings.engine.clip_grad_norm,
-                    num_microbatches=settings.pipeline.num_microbatches)
+                    num_microbatches=num_microbatches, schedule=schedule)
     return engine, train_dataloader, test_dataloader, lr_scheduler
 
 

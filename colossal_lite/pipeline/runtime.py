@@ -6,7 +6,8 @@ step of M micro-batches it builds (once per M, then cached) the lowered action l
 rank's list in order:
 
 * ``F s.m``: stage ``s`` forward of micro-batch ``m`` (``model(*inputs, stage_input=x,
-  stage=s)``); on the last stage also the loss ``criterion(output, labels)``;
+  stage=s)``); on the last stage also the loss ``criterion(output, labels)`` (a model with
+  ``returns_loss``, a graph plan's stages, returns the loss itself);
 * ``B s.m``: backward -- from ``loss * S / M`` on the last stage (S: the AMP loss scale,
   the same on every rank), else from the stage output and the gradient received from
   stage s+1. Under a split backward (zero bubble) ``B`` computes only the gradient of the
@@ -98,7 +99,8 @@ class PipelineSchedule:
             raise ValueError(f'pipeline parallelism needs a model built for this layout '
                              f'(a StagedModel cut into {self.settings.stages} stages), got '
                              f'{type(model).__name__}')
-        if engine.criterion is None and (return_loss or not forward_only):
+        if engine.criterion is None and (return_loss or not forward_only) \
+                and not getattr(model, 'returns_loss', False):
             raise ValueError('execute_schedule needs a criterion to compute the loss; '
                              'pass one to initialize() or use return_loss=False')
         micro = [to_device(mb, current_context().device)
@@ -139,7 +141,12 @@ class PipelineSchedule:
 
     # ------------------------------------------------------- engine.step() hook
     def synchronize_gradients(self, engine):
-        """Sum the gradients of weights held by the first and last stage over EMBEDDING."""
+        """Sum the gradients of weights held by the first and last stage over EMBEDDING
+        (a graph plan's model sums those of its weights held by several stages itself)."""
+        stage_sum = getattr(engine.model, 'synchronize_stage_gradients', None)
+        if stage_sum is not None:
+            stage_sum()
+            return
         axis = current_context().axis(ParallelMode.EMBEDDING)
         if axis.size == 1 or getattr(engine.gradient_handler, 'sums_tied_stages', False):
             return  # ZeRO's reducer sums the tied weight's gradient slice itself
@@ -168,6 +175,7 @@ class _StepRun:
         self.outputs: List[Any] = []
         self.scale = engine.loss_scale / engine.num_microbatches
         self.params = [p for p in engine.model.parameters() if p.requires_grad]
+        self.returns_loss = getattr(engine.model, 'returns_loss', False)
 
     def execute(self, a: Action):
         key, m = (a.stage, a.microbatch), a.microbatch
@@ -205,9 +213,13 @@ class _StepRun:
             return
         if self.return_output:
             self.outputs.append(detached(out))
-        if self.engine.criterion is not None:
+        loss = None
+        if self.returns_loss:       # a graph plan's last stage computes the loss itself
+            loss = out
+        elif self.engine.criterion is not None:
             with self.engine.autocast():
                 loss = call_with(self.engine.criterion, (out,), labels)
+        if loss is not None:
             self.losses.append(loss.detach())
             if not self.forward_only:
                 self.targets[(stage, m)] = (loss * self.scale, None)

@@ -22,8 +22,9 @@ from ...config.modes import ParallelMode
 from ...context.parallel_context import current_context
 from ..cluster import ClusterProfile, load_profile
 from .cost import GraphCost
-from .execute import CollectiveCounter, GraphRunner, distribute_parameters
-from .lower import LoweredStep, has_random_ops
+from .execute import _owner, distribute_parameters
+from .model import AutoParallelModel, PipelinedAutoModel
+from .pipeline import plan_cut, split
 from .plan import Plan, fingerprint, names
 from .solver import InfeasibleBudget, Solution, solve
 from .space import Space
@@ -85,8 +86,10 @@ def repeated_groups(space: Space) -> List[List[int]]:
 
 
 def search(space: Space, cluster: ClusterProfile, memory_gb: Optional[float], level: str,
-           mesh: Dict[str, int], time_limit: float = 60.0, device: str = 'cuda') -> Plan:
-    """Solve the space into a :class:`Plan` (see the module doc)."""
+           mesh: Dict[str, int], time_limit: float = 60.0, device: str = 'cuda',
+           stages: int = 1) -> Plan:
+    """Solve the space into a :class:`Plan` (see the module doc); with ``stages`` > 1 the
+    plan also holds the pipeline cut of the solved graph (``pipeline.plan_cut``)."""
     if level not in LEVELS:
         raise ValueError(f'level must be one of {LEVELS}, got {level!r}')
     start = time.perf_counter()
@@ -107,6 +110,8 @@ def search(space: Space, cluster: ClusterProfile, memory_gb: Optional[float], le
         'comm_bytes': cost.comm_bytes(choice)})
     for name, moves in cost.moves(choice, list(mesh)).items():
         plan.nodes[name]['moves'] = moves
+    if stages > 1:
+        plan.pipeline = plan_cut(space, cost, choice, stages)
     return plan
 
 
@@ -206,7 +211,7 @@ def apply_pins(space: Space, pins: Optional[Dict[str, Sequence[str]]]) -> None:
 
 
 def _search_on_rank0(captured: Captured, axes: Dict[str, int], pins, cluster, memory_gb,
-                     level: str, device: str) -> Plan:
+                     level: str, device: str, stages: int) -> Plan:
     """Rank 0 searches; every rank gets its plan (or its error) by one broadcast, so all
     ranks run the same plan and fail together."""
     import torch.distributed as dist
@@ -217,7 +222,7 @@ def _search_on_rank0(captured: Captured, axes: Dict[str, int], pins, cluster, me
             space = Space(captured, tuple(axes.values()))
             apply_pins(space, pins)
             result[0] = search(space, load_profile(cluster), memory_gb, level, axes,
-                               device=device).to_json()
+                               device=device, stages=stages).to_json()
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             if not distributed:
                 raise
@@ -229,102 +234,11 @@ def _search_on_rank0(captured: Captured, axes: Dict[str, int], pins, cluster, me
     return Plan.from_json(result[0])
 
 
-class AutoParallelModel(nn.Module):
-    """The parallel model: ``forward(*inputs)`` returns the (replicated) loss; parameters are
-    DTensors with the plan's placements under their serial names."""
-
-    def __init__(self, model: nn.Module, captured: Captured, mesh, plan: Plan,
-                 autocast: Optional[torch.dtype] = None):
-        super().__init__()
-        # the model's children, parameters and buffers are adopted under their own names,
-        # so state_dict() and named_parameters() carry the serial keys
-        for name, child in model.named_children():
-            self.add_module(name, child)
-        for name, param in model.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buf in model.named_buffers(recurse=False):
-            self.register_buffer(name, buf)
-        object.__setattr__(self, 'module', model)
-        self.plan = plan
-        self.autocast = autocast      # the autocast dtype the graph was captured under
-        self._captured = captured
-        self._mesh = mesh
-        space_names = {n.name for n in captured.graph.nodes}
-        self._choice = {name: plan.strategy(name) for name, e in plan.nodes.items()
-                        if name in space_names and e['op'] not in
-                        ('param', 'buffer', 'constant', 'input')}
-        self._placeholders = {name: plan.strategy(name).outputs[0]
-                              for name, e in plan.nodes.items()
-                              if e['op'] in ('param', 'buffer', 'constant', 'input')}
-        self._runner = GraphRunner(captured, mesh, self._choice, self._placeholders)
-        self._counter = CollectiveCounter(mesh)
-        # graphs with random ops run through the interpreter (see lower.py)
-        self.lowered = None if has_random_ops(captured.graph) else LoweredStep(
-            self._runner.run, [kind == 'param' for kind, _ in captured.inputs],
-            self._counter.entry)
-
-    @property
-    def last_deviations(self) -> Dict[str, int]:
-        """Nodes whose output came back elsewhere than planned in the last forward."""
-        return self._runner.deviations
-
-    @property
-    def device_mesh(self):
-        return self._mesh
-
-    def forward(self, *inputs):
-        self._check_autocast()
-        with torch.autocast(self._mesh.device_type, enabled=False):  # the graph holds its casts
-            return self._forward(*inputs)
-
-    def _check_autocast(self):
-        """The graph holds the casts of the autocast it was captured under (none without):
-        running it under another would silently change its numbers, so that is an error."""
-        device = self._mesh.device_type
-        active = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        if active != self.autocast:
-            def say(dtype):
-                return 'no autocast' if dtype is None else f'autocast {dtype}'
-            raise RuntimeError(
-                f'this model was planned under {say(self.autocast)} and now runs under '
-                f'{say(active)}: the captured graph holds the casts of the first; plan it with '
-                f'parallelize(..., autocast={active}) (fp16=dict(mode="torch") autocasts '
-                f'to {torch.bfloat16 if device == "cpu" else "fp16.dtype"} on {device})')
-
-    def _forward(self, *inputs):
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        buffers = dict(self.module.named_buffers(remove_duplicate=False))
-        values = []
-        for kind, source in self._captured.inputs:
-            if kind == 'param':
-                values.append(params[source])
-            elif kind == 'buffer':
-                values.append(buffers[source])
-            elif kind == 'constant':
-                values.append(self._captured.constants[source])
-            else:
-                values.append(inputs[source])
-        if self.lowered is not None and torch.is_grad_enabled():
-            program = self.lowered.program(values)     # traced (uncounted) on first use
-            if program is not None:
-                return self.lowered.run(program, values)
-        with self._counter:
-            return self._runner.run(*values)
-
-    def backward_context(self):
-        """Enter around ``loss.backward()`` to count the backward's collectives too (the
-        Engine does; autograd runs backward with the modes active when it was called)."""
-        return self._counter
-
-    # the model synchronizes its own gradients (DTensor): initialize() adds no handler
-    synchronizes_gradients = True
-
-
 def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
                 loss_fn: Optional[Callable] = None, mesh: MeshSpec = None,
                 memory_gb: Optional[float] = None, level: str = 'fast',
                 pins: Optional[Dict[str, Sequence[str]]] = None, plan: Optional[Plan] = None,
-                cluster=None, pipeline=None,
+                cluster=None, pipeline: Optional[int] = None,
                 autocast: Optional[torch.dtype] = None) -> Tuple[AutoParallelModel, Plan]:
     """Plan ``model`` for the launched ranks and return ``(parallel_model, plan)``.
 
@@ -334,14 +248,21 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
     capture under ``torch.autocast`` of that dtype, so the graph holds autocast's casts and
     the model's own (e.g. a loss upcast to fp32, a no-op in an fp32 capture) and is planned
     with its real dtypes; the model must then run under that autocast
-    (``fp16=dict(mode='torch')``), and without it only without. See the module doc."""
+    (``fp16=dict(mode='torch')``), and without it only without. See the module doc.
+
+    Under a launched ``parallel.pipeline`` = P (``pipeline``, when given, must equal it) the
+    graph is cut into the launch's P x chunks stages (``pipeline.py``): ``mesh`` spans the
+    world / P ranks of one stage, ``example_inputs`` are one micro-batch, and the result is a
+    :class:`PipelinedAutoModel` for the Engine's pipeline schedule. ``memory_gb`` then bounds
+    the unpipelined plan of the whole graph on that mesh, which holds every parameter and one
+    micro-batch's activations of every op; a 1F1B stage holds a 1 / P share of the parameters
+    and at most P micro-batches of its 1 / P share of the activations."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    if pipeline not in (None, 1):
-        raise NotImplementedError('pipeline stages for graph-level plans are not built yet; '
-                                  'use the pipeline runtime with a hand layout')
+    pipe_size, stages, pipe_rank = _pipeline_shape(pipeline)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    axes = resolve_mesh(plan.mesh if plan is not None and mesh is None else mesh, world)
+    axes = resolve_mesh(plan.mesh if plan is not None and mesh is None else mesh,
+                        world // pipe_size)
     if level not in LEVELS:
         raise ValueError(f'level must be one of {LEVELS}, got {level!r}')
     if autocast not in (None, torch.bfloat16, torch.float16):
@@ -351,14 +272,70 @@ def parallelize(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
     with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         captured = capture(model, example_inputs, loss_fn)
     if plan is None:
-        plan = _search_on_rank0(captured, axes, pins, cluster, memory_gb, level, device)
+        plan = _search_on_rank0(captured, axes, pins, cluster, memory_gb, level, device, stages)
     elif plan.graph and plan.graph != fingerprint(captured.graph):
         raise ValueError(
             f'this plan was made for another graph (fingerprint {plan.graph}, this model\'s '
             f'capture {fingerprint(captured.graph)}, stamped repeated blocks: '
             f'{captured.stamped or "none"}): a plan applies to the model, input shapes and '
             f'capture it was made for (docs/auto_graph.md); plan the model again')
-    device_mesh = init_device_mesh(device, tuple(axes.values()), mesh_dim_names=tuple(axes))
-    distribute_parameters(model, device_mesh, {k: tuple(placement_from_name(p) for p in v)
-                                               for k, v in plan.params.items()})
-    return AutoParallelModel(model, captured, device_mesh, plan, autocast), plan
+    elif plan.pipeline.get('stages', 1) != stages:
+        raise ValueError(f'this plan cuts the graph into {plan.pipeline.get("stages", 1)} '
+                         f'pipeline stage(s) but the launch runs {stages}; plan it again')
+    placements = {k: tuple(placement_from_name(p) for p in v) for k, v in plan.params.items()}
+    if stages == 1:
+        device_mesh = init_device_mesh(device, tuple(axes.values()), mesh_dim_names=tuple(axes))
+        distribute_parameters(model, device_mesh, placements)
+        return AutoParallelModel(model, captured, device_mesh, plan, autocast), plan
+    full = init_device_mesh(device, (pipe_size,) + tuple(axes.values()),
+                            mesh_dim_names=('pipe',) + tuple(axes))
+    _check_pipe_axis(full)
+    device_mesh = full[tuple(axes)]
+    graphs = split(captured, plan.pipeline['starts'])
+    held = set().union(*(graphs[s].params for s in range(pipe_rank, stages, pipe_size)))
+    _drop_parameters(model, held)
+    distribute_parameters(model, device_mesh, placements)
+    return PipelinedAutoModel(model, captured, device_mesh, plan, graphs, pipe_rank, pipe_size,
+                              autocast), plan
+
+
+def _pipeline_shape(pipeline: Optional[int]) -> Tuple[int, int, int]:
+    """(pipeline size, stages, this rank's pipeline coordinate) of the launch."""
+    ctx = current_context()
+    settings = ctx.pipeline if ctx.layout is not None else None
+    size = settings.size if settings is not None else 1
+    if pipeline not in (None, size):
+        raise ConfigError(f'parallelize(pipeline={pipeline!r}) needs a launch with '
+                          f'parallel=dict(pipeline={pipeline}, ...): the pipeline runtime runs '
+                          f'over the launched PIPELINE groups, and this launch has pipeline '
+                          f'= {size}')
+    if size == 1:
+        return 1, 1, 0
+    if ctx.layout.tensor != 1 or ctx.layout.expert != 1:
+        raise ConfigError(f'a graph plan over pipeline stages takes its mesh from the ranks of '
+                          f'one stage: launch with parallel=dict(pipeline={size}) and the rest '
+                          f'as data (no hand tensor layout), got tensor size '
+                          f"{ctx.layout.tensor} and expert size {ctx.layout.expert}")
+    return size, settings.stages, ctx.axis(ParallelMode.PIPELINE).rank
+
+
+def _check_pipe_axis(mesh) -> None:
+    """The mesh's pipe axis must be the launch's PIPELINE group (the runtime sends over it)."""
+    launched = tuple(current_context().axis(ParallelMode.PIPELINE).ranks)
+    mine = tuple(int(r) for r in mesh['pipe'].mesh.tolist())
+    if launched != mine:
+        raise RuntimeError(f'the device mesh\'s pipe axis {mine} is not the launched PIPELINE '
+                           f'group {launched}')
+
+
+def _drop_parameters(model: nn.Module, held) -> None:
+    """Remove from ``model`` every parameter no name of which is in ``held`` (another pipeline
+    rank's stages hold it)."""
+    names_of: Dict[int, List[str]] = {}
+    for fqn, value in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(value), []).append(fqn)
+    for fqns in names_of.values():
+        if not any(f in held for f in fqns):
+            for fqn in fqns:
+                owner, name = _owner(model, fqn)
+                owner._parameters[name] = None

@@ -3,7 +3,8 @@
 Placements are written per mesh axis as ``R`` (Replicate), ``S<d>`` (Shard(d)) or ``P``
 (Partial sum). ``nodes[name] = {'op', 'in': [[...] or None per tensor slot], 'out': [...],
 'local'}``; ``params[fqn]`` repeats the parameters' placements. ``predicted`` holds the cost
-model's step seconds, memory bytes per rank and collective bytes per op. A plan is bound to
+model's step seconds, memory bytes per rank and collective bytes per op; ``pipeline`` the
+stage cut (``pipeline.py``) when the graph runs as pipeline stages. A plan is bound to
 the graph it was made for by node names: re-applying it to the same model and input shapes
 needs no search (``parallelize(model, inputs, plan=plan)``). ``graph`` is that graph's
 :func:`fingerprint`; a plan applied to another graph (another model, other shapes, a full
@@ -45,6 +46,9 @@ class Plan:
     level: str = 'fast'
     search_seconds: float = 0.0
     graph: str = ''             # fingerprint() of the graph planned ('' in older plans)
+    # pipeline stages (pipeline.py): {'stages', 'starts': first chain node of each stage,
+    # 'stage_seconds': predicted forward + backward per micro-batch}; {} without
+    pipeline: Dict[str, object] = field(default_factory=dict)
 
     # --------------------------------------------------------------- strategies
     def strategy(self, name: str) -> Strategy:
@@ -90,6 +94,11 @@ class Plan:
             if comm:
                 lines.append('collectives per step (buffer bytes per rank): ' + ', '.join(
                     f'{op} {b}' for op, b in sorted(comm.items())))
+        if self.pipeline:
+            seconds = ', '.join(f'{t * 1e3:.3f}' for t in self.pipeline['stage_seconds'])
+            lines.append(f"pipeline: {self.pipeline['stages']} stages starting at "
+                         f"{', '.join(self.pipeline['starts'])}; predicted ms per micro-batch "
+                         f"per stage: {seconds}")
         if self.unruled:
             lines.append('no sharding rule (run replicated): ' + ', '.join(self.unruled))
         lines.append('parameters and buffers (placement per mesh axis):')

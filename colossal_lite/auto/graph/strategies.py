@@ -336,15 +336,22 @@ def _node_strategies(node: torch.fx.Node, mesh_shape: Sequence[int]) -> Tuple[Li
         rules, ok = axis_strategies(node, k)
         per_axis.append(rules)
         ruled = ruled and ok
-    if len(mesh_shape) == 1:
-        return per_axis[0], ruled
     metas = [s.meta['val'] if s is not None else None for s in tensor_args(node)]
     outs = outputs_of(node)
+    if len(mesh_shape) == 1:   # a rule may split a 0-d result (DTensor's sum over dim=[])
+        return [st for st in per_axis[0]
+                if not any(_splits_scalar(m, p) for m, p in zip(metas, st.inputs))
+                and not any(_splits_scalar(m, p) for m, p in zip(outs, st.outputs))], ruled
     nested_ok = node.target not in NOT_NESTED
     kept = [st for st in combine(per_axis)
             if all(fits(m, p, mesh_shape, nested_ok) for m, p in zip(metas, st.inputs))
             and all(fits(m, p, mesh_shape, nested_ok) for m, p in zip(outs, st.outputs))]
     return kept, ruled
+
+
+def _splits_scalar(val: Optional[torch.Tensor], placements: Optional[Placements]) -> bool:
+    return (isinstance(val, torch.Tensor) and val.dim() == 0 and placements is not None
+            and any(isinstance(p, Shard) for p in placements))
 
 
 def fits(val: Optional[torch.Tensor], placements: Optional[Placements],
