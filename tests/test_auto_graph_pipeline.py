@@ -8,7 +8,8 @@ micro-batches of 2).
   (placements no cost model picks: the values crossing a cut are sharded, strided, or
   replicated; a Partial one is never cut through);
 * GPT-2 on 4 ranks (pipeline 2 x tensor 2) under zero bubble and under interleaved 1F1B
-  with 2 chunks (4 stages);
+  with 2 chunks (4 stages), clipping the gradient norm at 0.5 (the tied embedding, held by
+  both pipeline ranks, counted once);
 * the cut itself, without processes: valid cut points, free ops recomputed in every stage
   that reads them, node names kept, the bad inputs.
 """
@@ -91,9 +92,29 @@ def _check(name, results, serial, stages):
     assert all(len(r['params']) < len(params) for r in results)
 
 
-def _config(schedule='1f1b', chunks=1):
+def _config(schedule='1f1b', chunks=1, clip=0.0):
     return dict(parallel=dict(pipeline=dict(size=2, schedule=schedule, chunks=chunks)),
-                num_microbatches=MICROBATCHES)
+                num_microbatches=MICROBATCHES, clip_grad_norm=clip)
+
+
+CLIP = 0.5
+
+
+def _serial_clipped(name, clip):
+    """(losses, None, parameters) of STEPS serial AdamW steps with torch's norm clipping."""
+    case = CASES[name]
+    model, inputs = case.build(), case.inputs()
+    opt = _optimizer(model.parameters())
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss = case.loss_fn(model(*inputs), *inputs)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    assert min(norms) > clip, f'clipping at {clip} never acts: norms {norms}'
+    return losses, None, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.timeout(900)
@@ -112,10 +133,12 @@ def test_eight_ranks_pipeline_2_of_2x2_meshes_equal_serial(name):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize('schedule,chunks', [('zero_bubble', 1), ('interleaved', 2)])
-def test_gpt2_pipeline_schedules_equal_serial(schedule, chunks):
-    serial = _serial('gpt2')
-    results = run_distributed(_train, 4, _config(schedule, chunks), 'gpt2', dict(tensor=2),
-                              None, 1, 2 * chunks, timeout=540)
+def test_gpt2_pipeline_schedules_equal_serial_with_clipping(schedule, chunks):
+    """Also clipping at 0.5: the norm counts the tied embedding (held by two pipeline
+    ranks) once."""
+    serial = _serial_clipped('gpt2', CLIP)
+    results = run_distributed(_train, 4, _config(schedule, chunks, CLIP), 'gpt2',
+                              dict(tensor=2), None, 1, 2 * chunks, timeout=540)
     _check('gpt2', results, serial, 2 * chunks)
 
 

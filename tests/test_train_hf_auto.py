@@ -61,8 +61,6 @@ def test_the_auto_section_parses_and_keeps_the_mesh_axis_names():
     (dict(auto='fast'), "'parallel.auto' must be a dict like"),
     (dict(auto=dict(), tensor=dict(size=2, mode='1d')),
      "'parallel.tensor' = {'size': 2, 'mode': '1d'} cannot be combined with 'parallel.auto'"),
-    (dict(auto=dict(), pipeline=2), "'parallel.pipeline' = 2 cannot be combined with "
-                                    "'parallel.auto'"),
 ])
 def test_bad_auto_sections_name_the_key(parallel, message):
     with pytest.raises(ConfigError) as info:
@@ -181,3 +179,36 @@ def test_the_config_trains_on_4_processes_like_the_serial_model(tmp_path):
     assert re.search(r'bytes communicated per ParallelMode \(all ranks\): DATA: [\d.]+ MiB, '
                      r'TENSOR: [\d.]+ MiB', out)
     assert 'evaluation: test_loss=' in out
+
+
+def test_pipeline_stages_of_the_graph_train_like_the_serial_model(tmp_path):
+    """``parallel=dict(pipeline=2, auto=dict(mesh=dict(tensor=2)))`` on 4 processes: the mesh
+    spans one stage's 2 ranks, the plan's graph is cut into 2 stages (printed), and every
+    step's loss (2 micro-batches, clipping at 1.0) equals the serial model's."""
+    with open(CONFIG) as f:
+        text = f.read()
+    text = re.sub(r"parallel = dict\(auto=dict\(.*\)\)\n",
+                  "parallel = dict(pipeline=2, auto=dict(level='fast', mesh=dict(tensor=2), "
+                  "memory_gb=0.003))\nnum_microbatches = 2\n", text)
+    assert 'pipeline=2' in text
+    path = tmp_path / 'pipelined.py'
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"spans 2 processes but the job launches 8 / "
+                                          r"pipeline 2 = 4 per stage"):
+        cli.check_job(str(path), 8, None)
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1')
+    cmd = [sys.executable, '-m', 'colossal_lite.cli', 'train', str(path), '--nproc', '4',
+           '--steps', str(STEPS)]
+    run = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                         timeout=240)
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr
+    assert re.search(r'pipeline: 2 stages starting at embedding, \S+;', out), out
+    placements = re.findall(r'^  model\.\S+\.weight\s+(\S+)$', out, re.M)
+    assert any('S' in p for p in placements), out
+    records = [json.loads(line) for line in
+               (tmp_path / 'runs' / 'llama_hf_auto' / 'metrics.jsonl').read_text().splitlines()]
+    losses = [r['loss'] for r in records if 'loss' in r]
+    serial = _serial_losses(load_config(str(path)).settings.job, STEPS)
+    assert losses == pytest.approx(serial, abs=1e-5)
+    assert 'PIPELINE:' in out and 'evaluation: test_loss=' in out

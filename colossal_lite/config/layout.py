@@ -287,16 +287,12 @@ def _auto_mesh(mesh) -> Tuple[Optional[Tuple[int, ...]], Optional[Tuple[str, ...
 
 
 def _alone(parallel: Mapping):
-    """No hand layout beside ``parallel.auto``: the plan splits the model over its mesh."""
-    for key in ('tensor', 'pipeline', 'data', 'expert'):
+    """No hand layout beside ``parallel.auto``: the plan splits the model over its mesh
+    (``parallel.pipeline`` may stand beside it: the plan's graph is cut into its stages,
+    docs/auto_graph.md section 6)."""
+    for key in ('tensor', 'data', 'expert'):
         value = parallel.get(key)
         size = value.get('size', 1) if isinstance(value, Mapping) else value
-        if size not in (None, 1) and key == 'pipeline':
-            raise ConfigError(f"'parallel.pipeline' = {value!r} cannot be combined with "
-                              f"'parallel.auto' in a config run: colossal-lite train does not "
-                              f"cut graph plans into stages yet; launch with "
-                              f"parallel=dict(pipeline=P) and call auto.parallelize, which does "
-                              f"(docs/auto_graph.md, section 6)")
         if size not in (None, 1):
             raise ConfigError(f"'parallel.{key}' = {value!r} cannot be combined with "
                               f"'parallel.auto': the graph plan chooses how the model is split; "

@@ -14,7 +14,8 @@ over. So, per rank:
 
 ``norm = sqrt(s_rep + sum_A s_A)`` is then identical on every rank of a pipeline stage;
 under pipeline parallelism each stage's share is summed over PIPELINE (a weight held by the
-first and the last stage -- EMBEDDING in its ``grad_sum`` -- counted on the first only). Clipping
+first and the last stage -- EMBEDDING in its ``grad_sum`` -- counted on the first only; a
+graph plan's parameter held by h pipeline ranks counts ``||g||^2 / h`` on each). Clipping
 multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))`` (torch's rule).
 Call after the data-parallel gradient synchronization.
 """
@@ -29,6 +30,11 @@ from torch.distributed.tensor import DTensor
 from ..communication import collective as C
 from ..context import ParallelMode, global_context as gpc
 from ..tensor import param_placement
+
+
+# attribute of a graph plan's parameter held by h > 1 pipeline ranks (a tied embedding):
+# each holder counts ||g||^2 / h, so the sum over PIPELINE counts it once
+PIPELINE_HOLDERS = 'pipeline_holders'
 
 
 def unique_parameters(parameters: Iterable[torch.Tensor]) -> List[torch.Tensor]:
@@ -47,7 +53,9 @@ def grad_norm(parameters: Iterable[torch.Tensor]) -> float:
     sharded: Dict[Tuple[str, ...], Tuple[list, List[torch.Tensor]]] = {}
     for p in unique_parameters(parameters):
         if isinstance(p.grad, DTensor):   # a graph plan's parameter: DTensor sums its shards
-            replicated = replicated + p.grad.detach().float().pow(2).sum().full_tensor().cpu()
+            sq = p.grad.detach().float().pow(2).sum().full_tensor().cpu()
+            # held by several pipeline ranks (PipelinedAutoModel): each counts its share
+            replicated = replicated + sq / getattr(p, PIPELINE_HOLDERS, 1)
             continue
         if p.grad is None or _counted_on_another_stage(p):
             continue

@@ -44,7 +44,7 @@ def check_layout(spec: JobSpec, layout, pipeline: Optional[PipelineSettings] = N
     pipeline = pipeline or PipelineSettings(size=layout.pipeline)
     layout.check_expert()   # 'parallel.expert' divides the data size
     if spec.entry.builder is hf_causal_lm:
-        check_hf_model(spec, layout)
+        check_hf_model(spec, layout, auto is not None)
     if auto is not None:
         return check_auto(spec, layout, pipeline, auto)
     microbatches, stages, partition = pipeline.num_microbatches, pipeline.stages, pipeline.partition
@@ -96,16 +96,21 @@ def _describe(spec: JobSpec, layout, rank: int, pipeline: PipelineSettings):
 
 def check_auto(spec: JobSpec, layout, pipeline: PipelineSettings, auto: AutoSettings):
     """The job under ``parallel.auto`` (every rank reads the whole batch; the plan splits
-    it): the mesh spans exactly the launched world, the model's forward returns its loss
+    it): the mesh spans exactly the launched world (one pipeline stage's ranks under
+    ``parallel.pipeline``: the graph is cut into its stages), the model's forward returns its loss
     (what ``auto.parallelize`` captures), M divides the global batch, and the model builds
     on the meta device. Which plan fits ``memory_gb`` is known only after the capture, in
     the workers (``auto.NoPlanFits``)."""
-    world = layout.world_size
+    world = layout.world_size // layout.pipeline      # the ranks of one pipeline stage
     if auto.devices is not None and auto.devices != world:
+        staged = (f' / pipeline {layout.pipeline} = {world} per stage'
+                  if layout.pipeline > 1 else '')
         raise ConfigError(f"'parallel.auto.mesh' = {auto.mesh_text()} spans {auto.devices} "
-                          f"processes but the job launches {world}: the product of the "
-                          f"mesh's axes must equal the world size (launch {auto.devices} "
-                          f"processes, e.g. --nproc {auto.devices}, or change the mesh)")
+                          f"processes but the job launches {layout.world_size}{staged}: the "
+                          f"product of the mesh's axes must equal the world size (divided by "
+                          f"the pipeline size) (launch {auto.devices * layout.pipeline} "
+                          f"processes, e.g. --nproc {auto.devices * layout.pipeline}, or "
+                          f"change the mesh)")
     if spec.entry.loss is not ModelLoss:
         raise ConfigError(f"'parallel.auto' plans a model whose forward returns its own loss "
                           f"(model type 'hf'); model type {spec.kind!r} returns outputs for a "
@@ -117,15 +122,16 @@ def check_auto(spec: JobSpec, layout, pipeline: PipelineSettings, auto: AutoSett
     _describe(spec, layout, 0, pipeline)
 
 
-def check_hf_model(spec: JobSpec, layout):
+def check_hf_model(spec: JobSpec, layout, auto: bool = False):
     """``model=dict(type='hf', ...)``: its config readable, its vocabulary holding the
-    data's tokens and its positions the sequence; no hand tensor or pipeline layout (the
-    model is a plain torch module: data parallel, or ``parallel.auto``)."""
+    data's tokens and its positions the sequence; no hand tensor layout, and no pipeline
+    but under ``auto`` (the model is a plain torch module: data parallel, or
+    ``parallel.auto``, whose graph is cut into the pipeline's stages)."""
     try:
         sizes = hf_sizes(hf_config(**spec.options))
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if layout.tensor > 1 or layout.pipeline > 1:
+    if layout.tensor > 1 or (layout.pipeline > 1 and not auto):
         raise ConfigError(f"model type 'hf' runs a transformers model as it is: it takes no "
                           f"hand layout ({layout_text(layout)}); split it with "
                           f"parallel=dict(auto=dict(mesh=...)) or train it data parallel")

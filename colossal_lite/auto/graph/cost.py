@@ -56,7 +56,7 @@ from .space import Space
 from .plan import names
 from .strategies import VIEW_OPS
 from .experts import grouped_mm_flops, is_grouped_mm
-from .local_rules import inner_collectives
+from .local_rules import inner_collectives, whole_grad_slots
 from .liveness import Liveness
 
 aten = torch.ops.aten
@@ -113,6 +113,16 @@ def _ways(placements, mesh_shape) -> int:
         if isinstance(p, (Shard, _StridedShard, Partial)):
             ways *= k
     return ways
+
+
+def _grad_basis(d, slot: int, code) -> tuple:
+    """The consumer output placements the dual rule reads for input ``slot`` (``code``:
+    the consumer strategy's ``(ins, outs, out)`` names): partial axes count as replicated
+    for a slot whose gradient a local rule gives whole there (``whole_grad_slots``)."""
+    out = code[2]
+    if code[3] and slot in whole_grad_slots(d.node):
+        return tuple('R' if p == 'P' else p for p in out)
+    return out
 
 
 class GraphCost:
@@ -255,7 +265,7 @@ class GraphCost:
 
     def _codes(self, i: int):
         """Per strategy of decision i: (input names per slot, output names per output,
-        the consumer-side output names used for gradient duals). Repeated blocks share
+        the consumer-side output names used for gradient duals, whether it runs locally). Repeated blocks share
         their Strategy objects, so the names are made once per object."""
         if i not in self._names:
             self._names[i] = [self._strategy_code(st)
@@ -268,7 +278,7 @@ class GraphCost:
             ins = tuple(None if p is None else tuple(names(p)) for p in st.inputs)
             outs = tuple(None if p is None else tuple(names(p)) for p in st.outputs)
             rep = tuple('R' for _ in self.mesh_shape)
-            code = (ins, outs, outs[0] if outs and outs[0] is not None else rep)
+            code = (ins, outs, outs[0] if outs and outs[0] is not None else rep, st.local)
             self._strategy_names[id(st)] = code
         return code
 
@@ -285,7 +295,8 @@ class GraphCost:
                 meta = self.space.output_meta(i, out)
                 nbytes, grad = _nbytes(meta), self._needs_grad(i, meta)
                 src_ids, srcs = _classes([c[1][out] for c in self._codes(i)])
-                dst_ids, dsts = _classes([(c[0][slot], c[2]) for c in cons])
+                dst_ids, dsts = _classes([(c[0][slot], _grad_basis(d, slot, c))
+                                          for c in cons])
                 key = (nbytes, grad, tuple(srcs), tuple(dsts))
                 small = self._matrices.get(key)
                 if small is None:   # repeated blocks share their edges' matrices
@@ -304,14 +315,16 @@ class GraphCost:
     def chosen_edges(self, choice: Sequence[int]):
         """``(consumer, producer, forward steps, backward steps)`` of every edge of a choice."""
         for j, d in enumerate(self.space.decisions):
-            ins, _, cons = self._codes(j)[choice[j]]
+            code = self._codes(j)[choice[j]]
+            ins = code[0]
             for slot, prod in enumerate(d.producers):
                 if prod is None:
                     continue
                 i, o = prod
                 meta = self.space.output_meta(i, o)
                 src = self._codes(i)[choice[i]][1][o]
-                fwd, bwd, _ = self.edge_steps(_nbytes(meta), src, ins[slot], cons,
+                fwd, bwd, _ = self.edge_steps(_nbytes(meta), src, ins[slot],
+                                              _grad_basis(d, slot, code),
                                               self._needs_grad(i, meta))
                 yield d, self.space.decisions[i], fwd or [], bwd or []
 

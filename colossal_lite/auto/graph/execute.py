@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...communication import profile as comm_profile
 from ...config.modes import ParallelMode
-from .local_rules import run_local
+from .local_rules import run_local, whole_grad_slots
 from .space import NO_OPS
 from .strategies import Strategy
 from .trace import Captured
@@ -109,14 +109,16 @@ class _GradToPlacement(torch.autograd.Function):
         return grad
 
 
-def _grad_placements(given, out) -> tuple:
+def _grad_placements(given, out, whole: bool = False) -> tuple:
     """Where the gradient of a local op's input lands (the dual rule): on an axis where
     the input is replicated but the op's output is split (or partial), each rank's local
-    gradient is a partial sum; elsewhere it has the input's placement."""
+    gradient is a partial sum; elsewhere it has the input's placement. ``whole``: the op
+    gives this input's gradient whole where its output is partial
+    (``local_rules.whole_grad_slots``)."""
     if out is None:
         return tuple(given)
     return tuple(Partial() if isinstance(g, Replicate) and not isinstance(o, Replicate)
-                 else g for g, o in zip(given, out))
+                 and not (whole and isinstance(o, Partial)) else g for g, o in zip(given, out))
 
 
 def _as_dtensor(value, mesh: DeviceMesh):
@@ -179,6 +181,7 @@ class GraphRunner(torch.fx.Interpreter):
         flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
         slot = 0
         moved = []
+        whole = whole_grad_slots(node) if strategy.local else ()
         for value in flat:
             want = strategy.inputs[slot] if slot < len(strategy.inputs) else None
             if isinstance(value, torch.Tensor):
@@ -187,7 +190,7 @@ class GraphRunner(torch.fx.Interpreter):
                     if value.requires_grad:
                         value = _GradToPlacement.apply(value)
                     value = value.to_local(grad_placements=_grad_placements(
-                        value.placements, strategy.outputs[0]))
+                        value.placements, strategy.outputs[0], slot in whole))
             moved.append(value)
             slot += 1
         args, kwargs = torch.utils._pytree.tree_unflatten(moved, spec)

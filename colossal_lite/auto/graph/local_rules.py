@@ -20,8 +20,11 @@ piece), so a dim split over several axes works too.
 **Row-parallel addmm.** ``addmm(b R, x S(1), W S(0)) -> P`` (GPT-2's Conv1D, any
 ``nn.Linear`` traced with its bias fused): DTensor would add the replicated bias on every
 rank of the partial sum, so it has no such rule and the planner could not row-split a
-biased projection. Here rank 0 of the axis adds the bias, the others add zero; the bias's
-gradient is then a partial sum (the dual rule) that the sum over the axis completes.
+biased projection. Here rank 0 of the axis adds the bias, the others add nothing. The
+bias's gradient needs no collective on that axis: the gradient of a partial output reaches
+every rank whole (DTensor keeps it replicated), so each rank sums it over the rows itself
+(:class:`_RowParallelAddmm`) and the bias's gradient is whole where the output was partial
+(:func:`whole_grad_slots`; the executor and ``GraphCost`` both read it).
 """
 from __future__ import annotations
 
@@ -83,6 +86,30 @@ class _LogSoftmax(torch.autograd.Function):
         return g - y.exp() * total, None, None, None
 
 
+class _RowParallelAddmm(torch.autograd.Function):
+    """``bias + x @ w`` on the rank that adds the bias, ``x @ w`` elsewhere; the bias's
+    gradient is the whole output gradient summed over rows on every rank."""
+
+    @staticmethod
+    def forward(ctx, bias, x, w, first: bool):
+        ctx.save_for_backward(x, w)
+        return torch.addmm(bias, x, w) if first else torch.mm(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return (g.sum(0) if ctx.needs_input_grad[0] else None,
+                g @ w.t() if ctx.needs_input_grad[1] else None,
+                x.t() @ g if ctx.needs_input_grad[2] else None, None)
+
+
+def whole_grad_slots(node: torch.fx.Node) -> Tuple[int, ...]:
+    """Input slots whose local gradient is whole on every rank along the mesh axes where
+    the op's output is a partial sum (not the dual rule's partial): the row-parallel
+    addmm's bias."""
+    return (0,) if node.target is ADDMM else ()
+
+
 def run_local(node: torch.fx.Node, args: Sequence, mesh: DeviceMesh, placements,
               out_placements=(), inputs=()) -> object:
     """Run ``node`` on local shards by one of these rules (``placements``: its first tensor
@@ -110,12 +137,9 @@ def run_local(node: torch.fx.Node, args: Sequence, mesh: DeviceMesh, placements,
     if node.target is ADDMM:
         if not any(isinstance(p, Partial) for p in out_placements):
             return None
-        bias, x, w = args[:3]
         first = all(mesh.get_local_rank(a) == 0 for a, p in enumerate(out_placements)
                     if isinstance(p, Partial))
-        # bias * 0 (not a fresh zero) keeps every rank's bias in the autograd graph, so all
-        # ranks reach the collective that completes its gradient
-        return torch.addmm(bias * (1.0 if first else 0.0), x, w)
+        return _RowParallelAddmm.apply(*args[:3], first)
     if node.target is EMBEDDING:
         weight, ids = args[0], args[1]
         if not split_axes(placements, 0):

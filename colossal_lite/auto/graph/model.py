@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ...communication import collective as C
 from ...config.modes import ParallelMode
+from ...engine.clip import PIPELINE_HOLDERS
 from .execute import CollectiveCounter, GraphRunner, local_shape
 from .lower import LoweredStep, has_random_ops
 from .pipeline import Boundary, StageGraph, StageRunner, stage_specs_of
@@ -143,11 +144,20 @@ class PipelinedAutoModel(AutoParallelModel):
                  stage_graphs: Sequence[StageGraph], pipe_rank: int, pipe_size: int,
                  autocast: Optional[torch.dtype] = None):
         self._stage_graphs = list(stage_graphs)
+        self._pipe_size = pipe_size
         self.stages = stage_specs_of(len(stage_graphs), pipe_size, pipe_rank)
         super().__init__(model, captured, mesh, plan, autocast)
 
     def _build_runners(self):
         count = len(self._stage_graphs)
+        ranks = {}      # fqn -> the pipeline ranks whose stages read it
+        for graph in self._stage_graphs:
+            for fqn in graph.params:
+                ranks.setdefault(fqn, set()).add(graph.index % self._pipe_size)
+        held = dict(self.module.named_parameters(remove_duplicate=False))
+        for fqn in self.shared_parameters():
+            if fqn in held and len(ranks[fqn]) > 1:
+                setattr(held[fqn], PIPELINE_HOLDERS, len(ranks[fqn]))
         self._runners, self._receive, self._send = {}, {}, {}
         for spec in self.stages:
             graph = self._stage_graphs[spec.index]
