@@ -179,13 +179,15 @@ class LoweredLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.grads:      # the program's own outputs: scaled in place, one foreach call
+            torch._foreach_mul_(ctx.grads, grad_loss)
         grads = iter(ctx.grads)
         out = []
         for spec, used in zip(ctx.specs, ctx.used):
             if not used:
                 out.append(None)
                 continue
-            grad = next(grads) * grad_loss
+            grad = next(grads)
             out.append(spec.wrap(grad) if spec is not None else grad)
         ctx.grads = None
         return (None, None, *out)
