@@ -354,6 +354,38 @@ def test_lowered_step_equals_the_interpreter_and_issues_the_same_collectives():
         assert max_rel_diff(lowered['grads'][name], grad) < 1e-5, name
 
 
+class _SharedGradient(torch.nn.Module):
+    """``x @ (a + b)^T``: autograd hands ``a`` and ``b`` one gradient tensor."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(4, 8))
+        self.b = torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        return ((x @ (self.a + self.b).t()) ** 2).mean()
+
+
+def _shared_gradient(rank, x):
+    from colossal_lite.auto import parallelize
+    model, _ = parallelize(_SharedGradient(), (x,), mesh=dict(data=2))
+    for _ in range(2):                 # two scaled micro-steps accumulate
+        (model(x) * 0.5).backward()
+    assert model.lowered is not None and model.lowered._programs
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_lowered_gradients_shared_by_two_parameters_are_scaled_once():
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    serial = _SharedGradient()
+    for _ in range(2):
+        (serial(x) * 0.5).backward()
+    for grads in run_distributed(_shared_gradient, 2, None, x):
+        for name, p in serial.named_parameters():
+            assert max_rel_diff(grads[name], p.grad) < 1e-6, name
+
+
 def test_random_ops_are_not_lowered_but_dropout_zero_is():
     from colossal_lite.auto.graph.lower import has_random_ops
 

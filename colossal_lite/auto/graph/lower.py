@@ -179,9 +179,9 @@ class LoweredLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if ctx.grads:      # the program's own outputs: scaled in place, one foreach call
-            torch._foreach_mul_(ctx.grads, grad_loss)
-        grads = iter(ctx.grads)
+        # one foreach call, out of place: outputs may share storage with each other (the
+        # gradients of a + b) or with the program's inputs, so none is scaled in place
+        grads = iter(torch._foreach_mul(ctx.grads, grad_loss) if ctx.grads else ())
         out = []
         for spec, used in zip(ctx.specs, ctx.used):
             if not used:
