@@ -92,9 +92,12 @@ def _check(name, results, serial, stages):
     assert all(len(r['params']) < len(params) for r in results)
 
 
-def _config(schedule='1f1b', chunks=1, clip=0.0):
-    return dict(parallel=dict(pipeline=dict(size=2, schedule=schedule, chunks=chunks)),
-                num_microbatches=MICROBATCHES, clip_grad_norm=clip)
+def _config(schedule='1f1b', chunks=1, clip=None):
+    config = dict(parallel=dict(pipeline=dict(size=2, schedule=schedule, chunks=chunks)),
+                  num_microbatches=MICROBATCHES)
+    if clip is not None:
+        config['clip_grad_norm'] = clip
+    return config
 
 
 CLIP = 0.5
@@ -251,3 +254,36 @@ def test_pipeline_needs_a_pipelined_launch_and_a_plan_with_its_stages():
     with pytest.raises(ValueError, match=r'cuts the graph into 2 pipeline stage\(s\) but the '
                                          r'launch runs 1'):
         parallelize(case.build(), inputs, loss_fn=case.loss_fn, plan=plan)
+
+
+def _pipelined_peaks(rank, name, memory_gb):
+    """(predicted peak of the unpipelined plan, this rank's measured peak live bytes over
+    STEPS engine steps of the pipelined plan, parameters, buffers and inputs included)."""
+    warnings.simplefilter('ignore')
+    import colossal_lite
+    from colossal_lite.auto import parallelize
+    from colossal_lite.testing.memory import peak_live_bytes
+    case = CASES[name]
+    inputs = case.inputs()
+    model, plan = parallelize(case.build(), _micro(inputs), loss_fn=case.loss_fn,
+                              mesh=dict(tensor=2), memory_gb=memory_gb)
+    engine, *_ = colossal_lite.initialize(model, _optimizer(model.parameters()))
+
+    def step():
+        engine.zero_grad()
+        engine.execute_schedule((inputs, None))
+        engine.step()
+    held = list(model.parameters()) + list(model.buffers()) + list(inputs)
+    return plan.predicted['memory_bytes'], max(peak_live_bytes([step] * STEPS, held))
+
+
+@pytest.mark.timeout(400)
+def test_the_unpipelined_prediction_bounds_every_stage_peak():
+    """The budget bounds the whole graph's plan on the stage mesh (parallelize's doc): every
+    rank of the 1F1B pipeline (2 stages, 2 micro-batches) measures at most that peak."""
+    name = 'gpt2'
+    budget = _budget_gb(name, dict(tensor=2))
+    results = run_distributed(_pipelined_peaks, 4, _config(), name, budget, timeout=360)
+    for rank, (predicted, measured) in enumerate(results):
+        assert predicted <= budget * 2 ** 30
+        assert measured <= predicted, f'rank {rank}: measured {measured} > predicted {predicted}'
