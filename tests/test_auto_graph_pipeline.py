@@ -10,6 +10,8 @@ micro-batches of 2).
 * GPT-2 on 4 ranks (pipeline 2 x tensor 2) under zero bubble and under interleaved 1F1B
   with 2 chunks (4 stages), clipping the gradient norm at 0.5 (the tied embedding, held by
   both pipeline ranks, counted once);
+* memory: every rank's measured peak under the unpipelined plan's prediction;
+* a checkpoint saved by the pipelined plan resumes under a plan without stages;
 * the cut itself, without processes: valid cut points, free ops recomputed in every stage
   that reads them, node names kept, the bad inputs.
 """
@@ -287,3 +289,56 @@ def test_the_unpipelined_prediction_bounds_every_stage_peak():
     for rank, (predicted, measured) in enumerate(results):
         assert predicted <= budget * 2 ** 30
         assert measured <= predicted, f'rank {rank}: measured {measured} > predicted {predicted}'
+
+
+def _pipelined_save(rank, name, path):
+    """Two engine steps of the pipelined, budgeted (sharded) plan, then a checkpoint."""
+    warnings.simplefilter('ignore')
+    import colossal_lite
+    from colossal_lite import checkpoint
+    from colossal_lite.auto import parallelize
+    case = CASES[name]
+    inputs = case.inputs()
+    model, plan = parallelize(case.build(), _micro(inputs), loss_fn=case.loss_fn,
+                              mesh=dict(tensor=2), memory_gb=_budget_gb(name, dict(tensor=2)))
+    engine, *_ = colossal_lite.initialize(model, _optimizer(model.parameters()))
+    losses = []
+    for _ in range(2):
+        engine.zero_grad()
+        losses.append(engine.execute_schedule((inputs, None))[2].detach())
+        engine.step()
+    checkpoint.save(path, engine)
+    return losses, plan.params
+
+
+def _resume_unpipelined(rank, name, path):
+    """A fresh model planned on a 2 x 2 mesh without stages loads it and takes step 3."""
+    warnings.simplefilter('ignore')
+    import colossal_lite
+    from colossal_lite import checkpoint
+    from colossal_lite.auto import parallelize
+    case = CASES[name]
+    inputs = case.inputs()
+    model, _ = parallelize(case.build(), inputs, loss_fn=case.loss_fn,
+                           mesh=dict(data=2, tensor=2))
+    engine = colossal_lite.initialize(model, _optimizer(model.parameters()))[0]
+    checkpoint.load(path, engine)
+    loss = engine(*inputs)
+    engine.backward(loss)
+    engine.step()
+    return loss.detach(), {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(600)
+def test_a_pipelined_plan_checkpoint_resumes_without_stages(tmp_path):
+    """Saved by 2 stages of a sharded plan (each rank holding its stages' parameters and
+    AdamW states), loaded by a 2 x 2 plan with no stages: the third step equals serial."""
+    name, path = 'gpt2', str(tmp_path / 'ckpt')
+    losses, _, params = _serial(name)
+    saved = run_distributed(_pipelined_save, 4, _config(), name, path, timeout=540)
+    assert any('S' in ''.join(p) for p in saved[0][1].values())
+    for got, want in zip(saved[0][0], losses):
+        assert max_rel_diff(got, want) <= TOL
+    for loss, got in run_distributed(_resume_unpipelined, 4, None, name, path, timeout=540):
+        assert max_rel_diff(loss, losses[2]) <= TOL
+        assert_close_dict(got, params, TOL, 'after resuming, parameter')
