@@ -386,6 +386,26 @@ def test_lowered_gradients_shared_by_two_parameters_are_scaled_once():
             assert max_rel_diff(grads[name], p.grad) < 1e-6, name
 
 
+def test_identity_views_are_dropped_from_a_lowered_program_and_others_kept():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from colossal_lite.auto.graph.lower import drop_identity_views
+
+    def f(x):
+        y = x.view(4, 6).detach().view(4, 6)        # identities: dropped
+        z = x.t().view(6, 4)                         # the transpose's own shape: dropped
+        return y * 2, z.reshape(24).view(2, 12), x.view(6, 4)   # reshaping views: kept
+
+    x = torch.randn(4, 6)
+    gm = make_fx(f)(x)
+    calls = [n.target for n in gm.graph.nodes if n.op == 'call_function']
+    assert drop_identity_views(gm.graph) == 4
+    gm.recompile()
+    kept = [n.target for n in gm.graph.nodes if n.op == 'call_function']
+    assert len(kept) == len(calls) - 4 and kept.count(torch.ops.aten.view.default) == 2 and torch.ops.aten.detach.default not in kept
+    for got, want in zip(gm(x), f(x)):
+        assert torch.equal(got, want)
+
+
 def test_random_ops_are_not_lowered_but_dropout_zero_is():
     from colossal_lite.auto.graph.lower import has_random_ops
 
