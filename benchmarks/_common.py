@@ -57,8 +57,11 @@ def timed_ratios(runs: Dict[str, Callable[[], None]], ours: str, theirs: str, re
 
 def adamw_step(model, loss_fn, ids) -> Callable[[], None]:
     """One training step of ``model`` (AdamW, lr 1e-4) on ``loss_fn(model, ids)``, as a
-    callable for :func:`timed_ratios`."""
+    callable for :func:`timed_ratios`. The optimizer is set up as ``initialize`` sets it
+    (``foreach`` over DTensor parameters: ``engine/foreach.py``; torch's default else)."""
+    from colossal_lite.engine.foreach import prefer_foreach
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    prefer_foreach(opt)
 
     def step():
         opt.zero_grad(set_to_none=True)

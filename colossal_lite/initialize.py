@@ -34,6 +34,7 @@ from .amp import build_amp
 from .config import Settings, load_config
 from .context import global_context as gpc
 from .engine import Engine, GradientReducer, broadcast_parameters, data_parallel_axis
+from .engine.foreach import prefer_foreach
 from .pipeline.runtime import PipelineSchedule
 from .zero.apply import apply_zero
 from .zero.chunk.lazy import check_meta_model
@@ -93,7 +94,8 @@ def _initialize_self_synchronizing(settings: Settings, model, optimizer, criteri
                                    train_dataloader, test_dataloader, lr_scheduler):
     """A model whose parameters are DTensors placed by a graph plan: its weights are
     already identical where replicated and its gradients already summed by the plan, so no
-    broadcast and no data-parallel handler; AMP, clipping and micro-steps as usual, and the
+    broadcast and no data-parallel handler; the optimizer's per-tensor loop batched
+    (``engine/foreach.py``); AMP, clipping and micro-steps as usual, and the
     pipeline runtime when the model holds pipeline stages (``PipelinedAutoModel``)."""
     if settings.zero is not None:
         raise NotImplementedError(f'zero stage {settings.zero.stage} with a graph-planned '
@@ -103,6 +105,7 @@ def _initialize_self_synchronizing(settings: Settings, model, optimizer, criteri
         raise NotImplementedError(f"fp16 mode {settings.amp.mode!r} with a graph-planned model: "
                                   f"its graph was captured with fp32 weights; use "
                                   f"fp16=dict(mode='torch') with parallelize(..., autocast=dtype)")
+    prefer_foreach(optimizer)          # one DTensor dispatch per op, not per parameter
     amp = build_amp(settings.amp.as_dict(), model, optimizer)
     schedule, num_microbatches = choose_schedule(settings, amp.model)  # stages: the runtime
     engine = Engine(amp.model, amp.optimizer, criterion, gradient_handler=None, amp=amp,

@@ -155,10 +155,33 @@ def _engine_steps(rank, ids, steps, clip):
     pmodel, plan = parallelize(model, (ids,), loss_fn=lm_loss, mesh=MESH, memory_gb=0.0004)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2, eps=1e-3)
     engine, *_ = colossal_lite.initialize(pmodel, opt, config=dict(clip_grad_norm=clip))
+    assert opt.param_groups[0]['foreach'] is True     # batched over the DTensor parameters
     with comm_profile() as stats:
         losses = _engine_run(engine, ids, steps)
     params = {n: p.full_tensor().detach() for n, p in pmodel.named_parameters()}
     return losses, params, plan.params, stats.bytes(), pmodel.last_deviations
+
+
+def _foreach_groups(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from colossal_lite.engine.foreach import prefer_foreach
+    mesh = init_device_mesh('cpu', (1,))
+    dt = [torch.nn.Parameter(distribute_tensor(torch.ones(2), mesh, [Replicate()]))
+          for _ in range(4)]
+    plain = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([{'params': dt[:1]}, {'params': dt[1:2], 'foreach': False},
+                             {'params': [dt[2], plain]}, {'params': dt[3:]}])
+    changed = prefer_foreach(opt)
+    plain_opt = torch.optim.SGD([plain])
+    return changed, [g['foreach'] for g in opt.param_groups], prefer_foreach(plain_opt), \
+        plain_opt.param_groups[0]['foreach']
+
+
+def test_the_optimizer_is_batched_only_over_all_dtensor_groups_left_unset():
+    changed, flags, plain_changed, plain_flag = run_distributed(_foreach_groups, 1, None)[0]
+    assert (changed, flags) == (2, [True, False, None, True])
+    assert (plain_changed, plain_flag) == (0, None)
 
 
 def test_engine_trains_an_auto_plan_equal_to_serial_with_clipping():
@@ -388,7 +411,7 @@ def test_lowered_gradients_shared_by_two_parameters_are_scaled_once():
 
 def test_identity_views_are_dropped_from_a_lowered_program_and_others_kept():
     from torch.fx.experimental.proxy_tensor import make_fx
-    from colossal_lite.auto.graph.lower import drop_identity_views
+    from colossal_lite.auto.graph.simplify import drop_identity_views
 
     def f(x):
         y = x.view(4, 6).detach().view(4, 6)        # identities: dropped
@@ -404,6 +427,82 @@ def test_identity_views_are_dropped_from_a_lowered_program_and_others_kept():
     assert len(kept) == len(calls) - 4 and kept.count(torch.ops.aten.view.default) == 2 and torch.ops.aten.detach.default not in kept
     for got, want in zip(gm(x), f(x)):
         assert torch.equal(got, want)
+
+
+def test_constant_chunks_are_allocated_at_their_own_shape_and_copies_dropped():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from colossal_lite.auto.graph.simplify import simplify
+
+    aten = torch.ops.aten
+
+    def f(x):
+        rows = torch.zeros(8, 4).split(2)[1]          # contiguous chunk: allocated as [2, 4]
+        cols = torch.full((2, 8), 3.0).split(4, 1)[0]  # strided chunk: kept
+        y = (x + rows).clone()                         # a copy with its input's strides
+        z = x.t().clone(memory_format=torch.contiguous_format)   # a layout change: kept
+        return y * cols, z
+
+    x = torch.randn(2, 4)
+    gm = make_fx(f)(x)
+    assert simplify(gm.graph) == {'constant_chunks': 1, 'identity_views': 1}
+    gm.recompile()
+    fulls = [n.args[0] for n in gm.graph.nodes if n.target in (aten.full.default,
+                                                               aten.zeros.default)]
+    assert sorted(map(list, fulls)) == [[2, 4], [2, 8]]
+    assert sum(n.target is aten.clone.default for n in gm.graph.nodes) == 1
+    for got, want in zip(gm(x), f(x)):
+        assert torch.equal(got, want)
+
+    def writes(x):                                     # in place: nothing may be dropped
+        y = x.clone()
+        y.add_(1)
+        return torch.zeros(8, 4).split(2)[1] + y
+
+    gm = make_fx(writes)(x)
+    assert simplify(gm.graph) == {'constant_chunks': 0, 'identity_views': 0}
+
+
+class SpelledGelu(torch.nn.Module):
+    """An MLP whose activation is written out as arithmetic (GPT-2's ``gelu_new``), with the
+    factors in the given order, or a cubic coefficient that is not GELU's."""
+
+    def __init__(self, swap=False, cubic=0.044715):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.out, self.swap, self.cubic = torch.nn.Linear(8, 16), \
+            torch.nn.Linear(16, 1), swap, cubic
+
+    def forward(self, x):
+        h = self.fc(x)
+        inner = 0.7978845608028654 * (h + self.cubic * torch.pow(h, 3.0))
+        act = (1.0 + torch.tanh(inner)) * (h * 0.5) if self.swap else \
+            0.5 * h * (1.0 + torch.tanh(inner))
+        return self.out(act).square().mean()
+
+
+@pytest.mark.parametrize('swap', [False, True])
+def test_a_spelled_out_tanh_gelu_is_captured_as_the_kernel_with_the_same_gradients(swap):
+    aten = torch.ops.aten
+    model, x = SpelledGelu(swap), torch.randn(4, 8)
+    graph = capture(model, (x,)).graph
+    targets = [n.target for n in graph.nodes]
+    assert targets.count(aten.gelu.default) == 1 and aten.tanh.default not in targets
+    assert [n.kwargs for n in graph.nodes if n.target is aten.gelu.default] == \
+        [{'approximate': 'tanh'}]
+    near = capture(SpelledGelu(swap, cubic=0.045), (x,)).graph   # not GELU: left as written
+    assert aten.gelu.default not in [n.target for n in near.nodes]
+
+    captured = capture(model, (x,))                # the fused graph against the model
+    params = dict(model.named_parameters())
+    leaves = {k: p.detach().clone().requires_grad_() for k, p in params.items()}
+    args = [leaves[name] if kind == 'param' else x for kind, name in captured.inputs]
+    loss, = captured.graph_module(*args)
+    loss.backward()
+    ref = model(x)
+    ref.backward()
+    assert max_rel_diff(loss, ref) < 1e-6
+    for name, p in params.items():
+        assert max_rel_diff(leaves[name].grad, p.grad) < 1e-5, name
 
 
 def test_random_ops_are_not_lowered_but_dropout_zero_is():

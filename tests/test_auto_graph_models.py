@@ -86,8 +86,9 @@ def _serial(name):
     return losses, grads, params
 
 
-def _budget_gb(name, axes=AXES):
-    """Half the unconstrained plan's predicted per-rank peak, in GiB (searched here, once)."""
+def _budget_gb(name, axes=AXES, fraction=BUDGET_FRACTION):
+    """``fraction`` (default half) of the unconstrained plan's predicted per-rank peak, in
+    GiB (searched here, once)."""
     from colossal_lite.auto.cluster import load_profile
     from colossal_lite.auto.graph.api import search
     from colossal_lite.auto.graph.space import Space
@@ -97,7 +98,7 @@ def _budget_gb(name, axes=AXES):
         warnings.simplefilter('ignore')
         space = Space(capture(case.build(), case.inputs(), case.loss_fn), tuple(axes.values()))
     free = search(space, load_profile(None), None, 'fast', axes)
-    return BUDGET_FRACTION * free.predicted['memory_bytes'] / 2 ** 30
+    return fraction * free.predicted['memory_bytes'] / 2 ** 30
 
 
 def _rank(rank, name, seeds, memory_gb, steps, axes=AXES):

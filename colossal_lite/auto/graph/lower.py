@@ -6,8 +6,8 @@ step for given input shapes it traces (``make_fx``, real tensors) the joint func
 
     (local shards of the parameters, buffers, inputs) -> (loss, local gradients)
 
-through the runner and ``torch.autograd.grad`` (identity views and detaches dropped:
-:func:`drop_identity_views`). The trace holds the local aten ops DTensor
+through the runner and ``torch.autograd.grad`` (DTensor's identity views and copies and its
+global-shape constants dropped: ``simplify.py``). The trace holds the local aten ops DTensor
 ran and its functional collectives (all_gather / all_reduce / reduce_scatter / all_to_all on
 the mesh's process groups), forward and backward, so later steps replay exactly the same
 local computation and the same collectives with no DTensor in between.
@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ...communication import profile as comm_profile
+from .simplify import simplify
 
 
 _DROPOUT_P = {torch.ops.aten.scaled_dot_product_attention.default: ('dropout_p', 4),
@@ -53,30 +54,6 @@ def _draws(node: torch.fx.Node) -> bool:
 def has_random_ops(graph: torch.fx.Graph) -> bool:
     """Whether any op of ``graph`` draws random numbers (dropout, rand, bernoulli, ...)."""
     return any(node.op == 'call_function' and _draws(node) for node in graph.nodes)
-
-
-_ALIASES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-            torch.ops.aten.detach.default, torch.ops.aten.alias.default)
-
-
-def drop_identity_views(graph: torch.fx.Graph) -> int:
-    """Remove views and detaches whose output has its input's shape, dtype and strides
-    (DTensor's wrapping leaves about half the program as such calls): each reads as its
-    input. The program runs without autograd, so a detach is an alias. Returns how many."""
-    dropped = 0
-    for node in list(graph.nodes):
-        if node.op != 'call_function' or node.target not in _ALIASES:
-            continue
-        src = node.args[0]
-        out, given = node.meta.get('val'), getattr(src, 'meta', {}).get('val')
-        if not isinstance(out, torch.Tensor) or not isinstance(given, torch.Tensor):
-            continue
-        if (out.shape, out.dtype, out.stride()) != (given.shape, given.dtype, given.stride()):
-            continue
-        node.replace_all_uses_with(src)
-        graph.erase_node(node)
-        dropped += 1
-    return dropped
 
 
 class _Spec:
@@ -177,7 +154,7 @@ class LoweredStep:
         # dead ops traced through DTensor's propagation (e.g. an index over freshly allocated,
         # uninitialized tensors) must not run: on CUDA their garbage indices fault
         graph.graph.eliminate_dead_code()
-        drop_identity_views(graph.graph)
+        simplify(graph.graph)
         graph.recompile()
         trained = [s for s, train in zip(specs, trainable) if train]
         return Program(graph, trained, list(used), self._entry)

@@ -4,7 +4,8 @@
 the model's own scalar output when ``loss_fn`` is None) with ``torch.export`` (non-strict, so
 any Python the model runs is traced through) and decomposes the composite ops that the
 sharding rules do not know (``linear`` -> ``t`` + ``addmm``, ``cross_entropy`` ->
-``log_softmax`` + ``nll_loss``, ...). Attention stays one node (``aten.scaled_dot_product_
+``log_softmax`` + ``nll_loss``, ...); a formula spelled op by op (tanh-GELU) becomes the one
+kernel that computes it (``kernels.py``). Attention stays one node (``aten.scaled_dot_product_
 attention``) so the planner can give it a head or batch split.
 
 The backward is not traced: every op's backward is taken by autograd at run time from the
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from .fused import mark_fused
+from .kernels import fuse_tanh_gelu
 from .stamp import capture_stamped
 
 # ops kept whole through decomposition: the planner has its own rules for them
@@ -138,6 +140,8 @@ def capture(model: nn.Module, example_inputs: Sequence[torch.Tensor],
             or result[0].meta['val'].numel() != 1:
         raise ValueError(f'{type(model).__name__} with loss_fn={loss_fn!r} must return one '
                          f'scalar loss to be planned; pass loss_fn(output, *inputs)')
+    fuse_tanh_gelu(gm.graph)    # formulas spelled op by op -> their ATen kernel (kernels.py)
+    gm.recompile()
     mark_fused(gm.graph)        # head-aligned splits of fused projections (fused.py)
     return Captured(gm, inputs, constants, lists)
 
