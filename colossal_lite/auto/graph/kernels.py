@@ -28,28 +28,27 @@ def _near(value, target: float) -> bool:
     return isinstance(value, (int, float)) and abs(value - target) <= 1e-6 * abs(target)
 
 
-def _scaled(node, factor: float) -> Optional[torch.fx.Node]:
-    """``t`` when ``node`` is ``t * factor`` (either order), else None."""
-    if getattr(node, 'target', None) is not aten.mul.Tensor:
+def _with_constant(node, target, value: float) -> Optional[torch.fx.Node]:
+    """``t`` when ``node`` is ``target(t, value)`` in either order (an add with alpha 1),
+    else None."""
+    if getattr(node, 'target', None) is not target or node.kwargs.get('alpha', 1) != 1:
         return None
     a, b = node.args
-    if isinstance(a, torch.fx.Node) and _near(b, factor):
+    if isinstance(a, torch.fx.Node) and _near(b, value):
         return a
-    if isinstance(b, torch.fx.Node) and _near(a, factor):
+    if isinstance(b, torch.fx.Node) and _near(a, value):
         return b
     return None
+
+
+def _scaled(node, factor: float) -> Optional[torch.fx.Node]:
+    """``t`` when ``node`` is ``t * factor`` (either order), else None."""
+    return _with_constant(node, aten.mul.Tensor, factor)
 
 
 def _plus_one(node) -> Optional[torch.fx.Node]:
     """``t`` when ``node`` is ``t + 1`` (either order), else None."""
-    if getattr(node, 'target', None) is not aten.add.Tensor or node.kwargs.get('alpha', 1) != 1:
-        return None
-    a, b = node.args
-    if isinstance(a, torch.fx.Node) and _near(b, 1.0):
-        return a
-    if isinstance(b, torch.fx.Node) and _near(a, 1.0):
-        return b
-    return None
+    return _with_constant(node, aten.add.Tensor, 1.0)
 
 
 def _cube(node) -> Optional[torch.fx.Node]:

@@ -151,9 +151,9 @@ class LoweredStep:
 
         locals_ = [_local(v).detach() if isinstance(v, torch.Tensor) else v for v in values]
         graph = make_fx(joint)(locals_)
-        # dead ops traced through DTensor's propagation (e.g. an index over freshly allocated,
-        # uninitialized tensors) must not run: on CUDA their garbage indices fault
-        graph.graph.eliminate_dead_code()
+        # simplify ends by removing dead ops, which must not run: those traced through
+        # DTensor's propagation (e.g. an index over freshly allocated, uninitialized tensors)
+        # fault on CUDA with their garbage indices
         simplify(graph.graph)
         graph.recompile()
         trained = [s for s, train in zip(specs, trainable) if train]
