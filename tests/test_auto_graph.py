@@ -462,6 +462,39 @@ def test_constant_chunks_are_allocated_at_their_own_shape_and_copies_dropped():
     assert simplify(gm.graph) == {'constant_chunks': 0, 'identity_views': 0}
 
 
+def test_copies_of_chunks_are_kept_where_the_backward_reads_them_or_the_program_returns_them():
+    """A chunk's copy lets its larger source go: dropping it where the value waits for the
+    backward (or outlives the program) would hold the whole source instead."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from colossal_lite.auto.graph.simplify import drop_identity_views, forward_end
+
+    aten = torch.ops.aten
+
+    def joint(x):
+        saved = x.split(2)[1].clone()          # read after the loss: kept
+        passing = x.split(2)[0].clone()        # read before it only: dropped
+        whole = (x * 2).clone()                # not a chunk: dropped
+        loss = (passing * saved).sum() + whole.sum()
+        grad = saved.view(-1) * 3              # the "backward"
+        return loss.detach(), [grad, x.split(2)[2].clone()]    # returned: kept
+
+    def copies(gm):
+        return sum(n.target is aten.clone.default for n in gm.graph.nodes)
+
+    x = torch.randn(6, 3)
+    gm = make_fx(joint)(x)
+    boundary = forward_end(gm.graph)
+    assert boundary is not None and boundary.target is aten.add.Tensor and copies(gm) == 4
+    assert drop_identity_views(gm.graph, boundary) >= 2 and copies(gm) == 2
+    gm.recompile()
+    for got, want in zip(torch.utils._pytree.tree_leaves(gm(x)),
+                         torch.utils._pytree.tree_leaves(joint(x))):
+        assert torch.equal(got, want)
+    kept = make_fx(joint)(x)                   # no boundary known: every chunk copy stays
+    drop_identity_views(kept.graph)
+    assert copies(kept) == 3
+
+
 class SpelledGelu(torch.nn.Module):
     """An MLP whose activation is written out as arithmetic (GPT-2's ``gelu_new``), with the
     factors in the given order, or a cubic coefficient that is not GELU's."""

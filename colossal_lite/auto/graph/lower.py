@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ...communication import profile as comm_profile
-from .simplify import simplify
+from .simplify import forward_end, simplify
 
 
 _DROPOUT_P = {torch.ops.aten.scaled_dot_product_attention.default: ('dropout_p', 4),
@@ -154,7 +154,7 @@ class LoweredStep:
         # simplify ends by removing dead ops, which must not run: those traced through
         # DTensor's propagation (e.g. an index over freshly allocated, uninitialized tensors)
         # fault on CUDA with their garbage indices
-        simplify(graph.graph)
+        simplify(graph.graph, forward_end(graph.graph))
         graph.recompile()
         trained = [s for s, train in zip(specs, trainable) if train]
         return Program(graph, trained, list(used), self._entry)
