@@ -90,7 +90,8 @@ def _budget_gb(name, axes=AXES, fraction=BUDGET_FRACTION):
     """``fraction`` (default half) of the unconstrained plan's predicted per-rank peak, in
     GiB (searched here, once)."""
     from colossal_lite.auto.cluster import load_profile
-    from colossal_lite.auto.graph.api import search
+    from colossal_lite.auto.graph.api import _least_memory_choice, search
+    from colossal_lite.auto.graph.cost import GraphCost
     from colossal_lite.auto.graph.space import Space
     from colossal_lite.auto.graph.trace import capture
     case = CASES[name]
@@ -98,7 +99,11 @@ def _budget_gb(name, axes=AXES, fraction=BUDGET_FRACTION):
         warnings.simplefilter('ignore')
         space = Space(capture(case.build(), case.inputs(), case.loss_fn), tuple(axes.values()))
     free = search(space, load_profile(None), None, 'fast', axes)
-    return fraction * free.predicted['memory_bytes'] / 2 ** 30
+    # never on the edge of the least-memory plan's peak, where any change to the cost or
+    # memory model would make the budget unmeetable (NoPlanFits is tested on its own)
+    cost = GraphCost(space, load_profile(None))
+    floor = cost.peak_memory(_least_memory_choice(cost.problem()))['peak']
+    return max(fraction * free.predicted['memory_bytes'], 1.15 * floor) / 2 ** 30
 
 
 def _rank(rank, name, seeds, memory_gb, steps, axes=AXES):

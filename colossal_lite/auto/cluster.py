@@ -138,17 +138,19 @@ class ClusterProfile:
         nodes hold ``devices_per_node`` consecutive ranks) stays inside one node."""
         return 'intra' if stride * size <= self.devices_per_node else 'inter'
 
-    def group_time(self, op: str, nbytes: float, stride: int, size: int) -> float:
+    def group_time(self, op: str, nbytes: float, stride: int, size: int,
+                   latency: bool = True) -> float:
         """:meth:`time` for a group of ``size`` ranks ``stride`` apart. A group crossing nodes
         shares each node's link with the ``min(stride, G)`` groups that cross beside it
         (one per rank offset inside the stride), so its bandwidth term is that many times
-        longer."""
+        longer. ``latency=False``: the bandwidth term alone (a message that rides in a
+        bucket whose one latency is paid once)."""
         where = self.placement(stride, size)
         if nbytes <= 0 or (size <= 1 and op != 'p2p'):
             return 0.0
         alpha, beta = self.alpha_beta(op, size, where)
         share = min(stride, self.devices_per_node) if where == 'inter' else 1
-        return alpha + beta * nbytes * share
+        return (alpha if latency else 0.0) + beta * nbytes * share
 
     # ---------------------------------------------------------------- JSON
     def to_json(self) -> dict:

@@ -22,7 +22,9 @@ R -> S         (local slice)   0
 x -> P         not allowed     (infinite)
 =============  ==============  ================
 
-Time is ``ClusterProfile.group_time(op, bytes, stride_i, p)`` (α-β). **Backward** of an edge
+Time is ``ClusterProfile.group_time(op, bytes, stride_i, p)`` (α-β); a parameter's
+gradient all_reduce is priced ``β b`` alone, since the lowered program sends all of them in
+one bucket (``buckets.py``; its one α a step is not priced). **Backward** of an edge
 moves the gradient the other way: the consumer's input gradient is ``S`` where the input was
 ``S``, ``R`` where it was ``P``, and ``P`` where it was ``R`` and the consumer splits its work
 on that axis (else ``R``); it is redistributed to the producer's placements with any ``P``
@@ -177,10 +179,10 @@ class GraphCost:
             now[axis] = d
         return steps
 
-    def seconds(self, steps) -> float:
+    def seconds(self, steps, latency: bool = True) -> float:
         if steps is None:
             return INF
-        return sum(self.cluster.group_time(op, b, self.strides[a], self.mesh_shape[a])
+        return sum(self.cluster.group_time(op, b, self.strides[a], self.mesh_shape[a], latency)
                    for op, a, b in steps)
 
     @staticmethod
@@ -188,9 +190,12 @@ class GraphCost:
         return tuple('R' if d[0] == 'P' else ('P' if o[0] in 'SP' else 'R') if d == 'R' else d
                      for d, o in zip(dst, consumer_out))
 
-    def edge_steps(self, nbytes: int, src, dst, consumer_out, needs_grad: bool):
-        """Forward and backward collectives of one edge (None when impossible)."""
-        key = (nbytes, src, dst, consumer_out, needs_grad)
+    def edge_steps(self, nbytes: int, src, dst, consumer_out, needs_grad: bool,
+                   bucketed: bool = False):
+        """Forward and backward collectives of one edge (None when impossible) and their
+        time; ``bucketed``: a parameter's edge, whose gradient all_reduce rides in the
+        lowered program's one bucket (``buckets.py``): priced by bandwidth alone."""
+        key = (nbytes, src, dst, consumer_out, needs_grad, bucketed)
         hit = self._steps.get(key)
         if hit is None:
             fwd = self.collectives(nbytes, src, dst)
@@ -199,8 +204,10 @@ class GraphCost:
                 want = tuple('R' if p[0] == 'P' else p for p in src)
                 bwd = self.collectives(nbytes, self._grad_placements(dst, consumer_out),
                                        want) or []
+            back = sum(self.seconds([step], not (bucketed and step[0] == 'all_reduce'))
+                       for step in bwd)
             hit = self._steps[key] = (fwd, bwd, INF if fwd is None else
-                                      self.seconds(fwd) + self.seconds(bwd))
+                                      self.seconds(fwd) + back)
         return hit
 
     # ------------------------------------------------------------------ per decision
@@ -294,14 +301,15 @@ class GraphCost:
                 i, out = prod
                 meta = self.space.output_meta(i, out)
                 nbytes, grad = _nbytes(meta), self._needs_grad(i, meta)
+                bucketed = self.space.decisions[i].kind == 'param'
                 src_ids, srcs = _classes([c[1][out] for c in self._codes(i)])
                 dst_ids, dsts = _classes([(c[0][slot], _grad_basis(d, slot, c))
                                           for c in cons])
-                key = (nbytes, grad, tuple(srcs), tuple(dsts))
+                key = (nbytes, grad, bucketed, tuple(srcs), tuple(dsts))
                 small = self._matrices.get(key)
                 if small is None:   # repeated blocks share their edges' matrices
                     small = self._matrices[key] = np.array(
-                        [[self.edge_steps(nbytes, src, dst, out_of, grad)[2]
+                        [[self.edge_steps(nbytes, src, dst, out_of, grad, bucketed)[2]
                           for dst, out_of in dsts] for src in srcs])
                 edges.append(Edge(i, j, small[np.ix_(src_ids, dst_ids)]))
         return edges

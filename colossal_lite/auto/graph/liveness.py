@@ -12,7 +12,8 @@ optimizer's states per element (2 for Adam)::
 
     peak = held + max(s P + J,          the forward and backward (the states of the previous step)
                       (s + 2) P,        end of the lowered step's backward: the program's gradients
-                                        and the scaled copies it hands to autograd (lower.py)
+                                        and the scaled copies it hands to autograd (lower.py),
+                                        or the gradients and their bucket (buckets.py)
                       (s + 1) P + 3 p)  the optimizer step: gradients, states, AdamW's temporaries
                                         (3 of the largest local parameter, p)
 

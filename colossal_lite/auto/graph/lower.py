@@ -7,7 +7,8 @@ step for given input shapes it traces (``make_fx``, real tensors) the joint func
     (local shards of the parameters, buffers, inputs) -> (loss, local gradients)
 
 through the runner and ``torch.autograd.grad`` (DTensor's identity views and copies and its
-global-shape constants dropped: ``simplify.py``). The trace holds the local aten ops DTensor
+global-shape constants dropped: ``simplify.py``; the parameters' gradient all_reduces merged
+into one: ``buckets.py``). The trace holds the local aten ops DTensor
 ran and its functional collectives (all_gather / all_reduce / reduce_scatter / all_to_all on
 the mesh's process groups), forward and backward, so later steps replay exactly the same
 local computation and the same collectives with no DTensor in between.
@@ -32,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ...communication import profile as comm_profile
+from .buckets import bucket_gradient_all_reduces
 from .simplify import forward_end, simplify
 
 
@@ -77,11 +79,13 @@ def _local(value):
 class Program:
     """One lowered step: the traced graph, how to wrap each input's gradient, which
     parameters the loss reaches, and the collectives one run issues (read off the graph:
-    ``(mode, op, buffer bytes, group size)``, recorded into ``communication.profile``)."""
+    ``(mode, op, buffer bytes, group size)``, recorded into ``communication.profile``);
+    ``merged_all_reduces``: how many gradient all_reduces the bucket saved (``buckets.py``)."""
 
     def __init__(self, graph: torch.fx.GraphModule, specs: List[Optional[_Spec]],
                  used: List[bool], entry: Callable):
         self.graph, self.specs, self.used = graph, specs, used
+        self.merged_all_reduces = 0
         self.collectives = [hit for node in graph.graph.nodes if node.op == 'call_function'
                             for hit in [entry(node.target, node.args, node.kwargs)]
                             if hit is not None]
@@ -155,9 +159,12 @@ class LoweredStep:
         # DTensor's propagation (e.g. an index over freshly allocated, uninitialized tensors)
         # fault on CUDA with their garbage indices
         simplify(graph.graph, forward_end(graph.graph))
+        merged = bucket_gradient_all_reduces(graph.graph)   # one all_reduce per group
         graph.recompile()
         trained = [s for s, train in zip(specs, trainable) if train]
-        return Program(graph, trained, list(used), self._entry)
+        program = Program(graph, trained, list(used), self._entry)
+        program.merged_all_reduces = merged
+        return program
 
     def run(self, program: Program, values: Sequence) -> torch.Tensor:
         """The loss of one step through ``program``; its collectives are recorded."""
