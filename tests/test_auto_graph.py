@@ -503,6 +503,42 @@ def test_copies_of_chunks_are_kept_where_the_backward_reads_them_or_the_program_
     assert copies(kept) == 3
 
 
+def test_forward_matmuls_run_on_onednn_within_the_modelled_scratch():
+    """The lowered program's forward matmuls become oneDNN linears (the backward's stay on
+    mm) with the same results to fp32 rounding, and each call's scratch, as torch's CPU
+    allocator reports it, stays within ``onednn.scratch_bytes``, which the memory model adds."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from colossal_lite.auto.graph import onednn
+    from colossal_lite.auto.graph.simplify import forward_end
+    from colossal_lite.testing.memory import peak_allocated
+
+    if onednn.ONEDNN_LINEAR is None:
+        pytest.skip('this torch has no oneDNN: the program keeps its matmuls on mm')
+    aten = torch.ops.aten
+
+    def joint(x, w, b, v):
+        h = torch.addmm(b, x, w)                 # forward, [in, out] weight: rewritten
+        y = h.mm(v.t())                          # forward, [out, in] weight: rewritten
+        loss = y.sum()
+        return loss.detach(), [x.t().mm(y), y.mm(v)]    # the "backward": kept on mm
+
+    args = (torch.randn(16, 32), torch.randn(32, 48), torch.randn(48), torch.randn(24, 48))
+    gm = make_fx(joint)(*args)
+    assert onednn.matmuls_on_onednn(gm.graph, forward_end(gm.graph)) == 2
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(onednn.ONEDNN_LINEAR) == 2 and targets.count(aten.mm.default) == 2
+    for got, want in zip(torch.utils._pytree.tree_leaves(gm(*args)),
+                         torch.utils._pytree.tree_leaves(joint(*args))):
+        assert max_rel_diff(got, want) < 1e-5
+    for m, k, n in ((256, 256, 1024), (256, 1024, 256), (16, 32, 96), (64, 128, 64)):
+        x = torch.randn(m, k)
+        for w in (torch.randn(k, n), torch.randn(n, k).t()):      # both weight layouts
+            call = lambda: onednn.ONEDNN_LINEAR(x, w.t(), None, 'none', [], '')  # noqa: E731
+            extra = max(peak_allocated([call] * 3)) - m * n * 4
+            assert 0 <= extra <= onednn.scratch_bytes(k), (m, k, n, w.stride(), extra)
+
+
 class SpelledGelu(torch.nn.Module):
     """An MLP whose activation is written out as arithmetic (GPT-2's ``gelu_new``), with the
     factors in the given order, or a cubic coefficient that is not GELU's."""

@@ -12,7 +12,10 @@ reduce op, dtype): the tensors are flattened into one buffer, reduced by one all
 the last of them was, and each gradient is returned as its slice of the result::
 
     g_i -> all_reduce(g_i) -> wait -> out_i      becomes
-    cat([g_1.reshape(-1), ...]) -> all_reduce -> wait -> split(sizes) -> view(shape_i) -> out_i
+    cat([g_1.reshape(-1), ...]) -> all_reduce_ -> wait -> split(sizes) -> view(shape_i) -> out_i
+
+The bucket is reduced in place (``all_reduce_``): the flat buffer is the program's own, read
+by nothing else, so the functional all_reduce's copy of it is saved.
 
 The bytes are the same; the calls drop from one per parameter to one per bucket. On gloo the
 collectives are synchronous, so moving the earlier ones to the last one's place delays no
@@ -28,6 +31,7 @@ import torch
 
 aten = torch.ops.aten
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+_ALL_REDUCE_IN_PLACE = torch.ops._c10d_functional.all_reduce_.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
@@ -70,7 +74,7 @@ def bucket_gradient_all_reduces(graph: torch.fx.Graph) -> int:
                 flats.append(flat)
             buffer = graph.call_function(aten.cat.default, (flats,))
             buffer.meta['val'] = torch.empty(sum(sizes), dtype=dtype, device='meta')
-            reduced = graph.call_function(_ALL_REDUCE, (buffer, op, group))
+            reduced = graph.call_function(_ALL_REDUCE_IN_PLACE, (buffer, op, group))
             reduced.meta['val'] = buffer.meta['val']
             done = graph.call_function(_WAIT, (reduced,))
             done.meta['val'] = buffer.meta['val']

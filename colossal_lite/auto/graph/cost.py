@@ -252,7 +252,9 @@ class GraphCost:
     @property
     def liveness(self) -> Liveness:
         if self._liveness is None:
-            self._liveness = Liveness(self.space, self.states, self.all_to_all)
+            # CPU process groups (no all_to_all) mean a CPU program: its matmuls on oneDNN
+            self._liveness = Liveness(self.space, self.states, self.all_to_all,
+                                      onednn=not self.all_to_all)
         return self._liveness
 
     def memory(self, i: int, shared: bool = True) -> np.ndarray:

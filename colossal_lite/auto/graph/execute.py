@@ -43,6 +43,7 @@ _c10d = torch.ops._c10d_functional
 # functional collective -> (our op name, buffer bytes from (input bytes, group size))
 _COLLECTIVES = {
     _c10d.all_reduce.default: ('all_reduce', lambda n, p: n),
+    _c10d.all_reduce_.default: ('all_reduce', lambda n, p: n),     # the gradient bucket's
     _c10d.all_gather_into_tensor.default: ('all_gather', lambda n, p: n * p),
     _c10d.reduce_scatter_tensor.default: ('reduce_scatter', lambda n, p: n),
     _c10d.all_to_all_single.default: ('all_to_all', lambda n, p: n),

@@ -21,7 +21,9 @@ optimizer's states per element (2 for Adam)::
 of the joint program, simulated op by op in graph order and then in reverse for the
 backward, each storage counted once while anything holds it:
 
-* forward: an op's input that arrives elsewhere than its producer placed it is a new storage
+* forward: a matmul (``mm`` / ``addmm``) run on oneDNN (CPU, ``onednn.py``) holds its scratch
+  (``onednn.scratch_bytes`` of the local contraction) for the call;
+  an op's input that arrives elsewhere than its producer placed it is a new storage
   of the moved size (DTensor copies on every move; Shard(a) -> Shard(d) with ``d`` leading
   keeps the all_gather buffer, ``p`` times the moved size, of which the shard is a view); its
   outputs are new storages of ``bytes / shard ways`` (a view shares its input's); a value is
@@ -49,6 +51,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .onednn import MATMULS, ONEDNN_LINEAR, scratch_bytes
 from .space import Space
 from .strategies import outputs_of, tensor_args
 
@@ -166,10 +169,12 @@ def _dim(name: str) -> int:
 class Liveness:
     """The memory model of a space on a mesh (module doc); placements by name per axis."""
 
-    def __init__(self, space: Space, states: int = 2, all_to_all: bool = True):
+    def __init__(self, space: Space, states: int = 2, all_to_all: bool = True,
+                 onednn: bool = False):
         self.space = space
         self.states = states
         self.all_to_all = all_to_all
+        self.onednn = onednn and ONEDNN_LINEAR is not None
         self.mesh = space.mesh_shape
         self.saved = saved_tensors(space)
         self._storage_roots()
@@ -352,6 +357,10 @@ class Liveness:
                                                       else rep))
                 storage[(i, j)] = sid
                 hold(sid)
+            if self.onednn and d.node.target in MATMULS:
+                scratch = new(self._scratch(d.node, ins))
+                hold(scratch)
+                drop(scratch)
             keep = [args[k] for k in sv.inputs if args[k] is not None]
             keep += [storage[(i, j)] for j in sv.outputs if (i, j) in storage]
             out0 = outs[0] if outs and outs[0] is not None else rep
@@ -408,6 +417,16 @@ class Liveness:
         phase = max(phases, key=phases.get)
         return {'peak': held + phases[phase], 'held': held, 'params': params, 'joint': joint,
                 'forward_end': forward_end, 'phase': phase}
+
+    def _scratch(self, node: torch.fx.Node, ins) -> float:
+        """oneDNN's scratch for a matmul whose first operand (``mm``'s slot 0, ``addmm``'s
+        slot 1) arrives at ``ins``: by its local contraction."""
+        slot = 1 if node.target is MATMULS[1] else 0
+        contraction = tensor_args(node)[slot].meta['val'].shape[-1]
+        for name, k in zip(ins[slot] or (), self.mesh):
+            if name[0] == 'S' and _dim(name) == 1:
+                contraction //= k
+        return float(scratch_bytes(contraction))
 
     def _requires_grad(self, pr: Tuple[int, int]) -> bool:
         d = self.space.decisions[pr[0]]

@@ -7,9 +7,9 @@ step for given input shapes it traces (``make_fx``, real tensors) the joint func
     (local shards of the parameters, buffers, inputs) -> (loss, local gradients)
 
 through the runner and ``torch.autograd.grad`` (DTensor's identity views and copies and its
-global-shape constants dropped: ``simplify.py``; the parameters' gradient all_reduces merged
-into one: ``buckets.py``). The trace holds the local aten ops DTensor
-ran and its functional collectives (all_gather / all_reduce / reduce_scatter / all_to_all on
+global-shape constants dropped: ``simplify.py``; the forward's matmuls on oneDNN on CPU:
+``onednn.py``; the parameters' gradient all_reduces merged into one: ``buckets.py``). The
+trace holds the local aten ops DTensor ran and its functional collectives (all_gather / all_reduce / reduce_scatter / all_to_all on
 the mesh's process groups), forward and backward, so later steps replay exactly the same
 local computation and the same collectives with no DTensor in between.
 
@@ -34,6 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ...communication import profile as comm_profile
 from .buckets import bucket_gradient_all_reduces
+from .onednn import matmuls_on_onednn
 from .simplify import forward_end, simplify
 
 
@@ -159,6 +160,7 @@ class LoweredStep:
         # DTensor's propagation (e.g. an index over freshly allocated, uninitialized tensors)
         # fault on CUDA with their garbage indices
         simplify(graph.graph, forward_end(graph.graph))
+        matmuls_on_onednn(graph.graph, forward_end(graph.graph))
         merged = bucket_gradient_all_reduces(graph.graph)   # one all_reduce per group
         graph.recompile()
         trained = [s for s, train in zip(specs, trainable) if train]
