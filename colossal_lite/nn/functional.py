@@ -82,7 +82,8 @@ def _onednn_matmul(x: torch.Tensor, weight: torch.Tensor,
 
 def _forward_on_onednn() -> bool:
     """Whether a forward matmul may run on oneDNN here. Its kernel takes a scratch buffer
-    (B-panel packing, up to ``64 * in * 4`` bytes + 1 KiB) from torch's CPU allocator for the
+    (B-panel packing, up to ``threads * (64 * in * 4 + 1024)`` bytes, measured in
+    tests/test_auto_graph.py) from torch's CPU allocator for the
     call, which the planner's memory model (``auto/memory.py``) has no term for. It cannot
     raise a step's peak in a plain forward: everything live during it is still live at the
     loss, where the log-softmax adds logits-sized buffers larger than the scratch. It can

@@ -21,11 +21,11 @@ from typing import Optional
 
 import torch
 
+from ...nn.functional import _ONEDNN_LINEAR
+
 aten = torch.ops.aten
 
-ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, '_linear_pointwise', None)
-                 if torch.backends.mkldnn.is_available() else None)
-
+ONEDNN_LINEAR = _ONEDNN_LINEAR       # None where this torch has no oneDNN
 
 MATMULS = (aten.mm.default, aten.addmm.default)
 
