@@ -8,15 +8,15 @@ parameters) on the bundled plays (byte tokens), split by the graph-level planner
 Every rank builds the same model (same seed) and reads the same whole batch;
 ``auto.parallelize`` captures the model with its loss as one graph, rank 0 solves the plan
 (printed at the start) and every rank runs its part of it. The unconstrained plan predicts
-11 MiB per rank and replicates every weight; the 5 MiB budget below makes the solver shard
-some of them. ``model = dict(type='hf', path='/local/hf/dir')`` trains a local checkpoint
+8.4 MiB per rank and replicates every weight; the 4 MiB budget below makes the solver shard
+some of them (at 5 MiB it still replicates them and splits the activations). ``model = dict(type='hf', path='/local/hf/dir')`` trains a local checkpoint
 instead (``from_pretrained(local_files_only=True)``, float32).
 """
 model = dict(type='hf', config=dict(
     model_type='llama', vocab_size=256, hidden_size=64, intermediate_size=128,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=128))
-parallel = dict(auto=dict(level='fast', mesh=dict(data=2, tensor=2), memory_gb=0.005))
+parallel = dict(auto=dict(level='fast', mesh=dict(data=2, tensor=2), memory_gb=0.004))
 data = dict(type='shakespeare', seq_len=64, val_fraction=0.05)
 train = dict(global_batch_size=8, steps=20, log_every=5, eval_batches=2,
              run_dir='runs/llama_hf_auto')    # metrics.jsonl, loss.png

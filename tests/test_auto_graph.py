@@ -801,3 +801,65 @@ def test_a_plan_captured_under_autocast_trains_as_the_serial_model_under_torch_a
         assert max(max_rel_diff(params[k], v) for k, v in serial_params.items()) <= 3e-3
         assert out[None].startswith('this model was planned under no autocast and now runs '
                                     'under autocast torch.bfloat16')
+
+
+# ------------------------------------------------------------------ tied weights, loss wait
+class _TiedLM(torch.nn.Module):
+    """An embedding whose table is also the output projection (GPT-2's tied wte)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 16)
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, ids):
+        h = torch.tanh(self.proj(self.emb(ids)))
+        logits = h @ self.emb.weight.t()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+TIED_IDS = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(2))
+TIED_PINS = {'addmm': ['S0']}          # the projection splits the batch
+
+
+def _tied_lm(rank, ids):
+    warnings.simplefilter('ignore')
+    from colossal_lite.auto import parallelize
+    from colossal_lite.communication.profile import comm_profile
+    model, plan = parallelize(_TiedLM(), (ids,), mesh=dict(data=4), pins=TIED_PINS)
+    model(ids).backward()                      # the lowered program is traced here
+    for p in model.parameters():
+        p.grad = None
+    with comm_profile() as stats:
+        loss = model(ids)
+        loss.backward()
+    measured = {op: stats.bytes(op=op) for op in ('all_reduce', 'all_gather', 'reduce_scatter')}
+    nodes = list(next(iter(model.lowered._programs.values())).graph.graph.nodes)
+    kinds = [str(n.target) for n in nodes if '_c10d_functional' in str(n.target)]
+    return (plan.nodes['embedding']['out'], plan.predicted['comm_bytes'],
+            {k: v for k, v in measured.items() if v}, kinds, loss.item(),
+            {n: p.grad.full_tensor() for n, p in model.named_parameters()})
+
+
+def test_a_tied_weight_is_reduced_once_and_the_loss_is_waited_for_at_the_end():
+    """The tied table's two uses (lookup and projection) each leave a Partial gradient when
+    they split the batch; the program sums them and all_reduces once, as the cost model now
+    prices it, so the plan splits the lookup too instead of gathering the hidden gradient.
+    The loss's collective is waited for after the backward: every wait follows the last
+    collective issued (one synchronisation a step)."""
+    serial = _TiedLM()
+    loss = serial(TIED_IDS)
+    loss.backward()
+    params = sum(p.numel() * 4 for p in serial.parameters())
+    for placed, predicted, measured, kinds, got, grads in run_distributed(_tied_lm, 4, None,
+                                                                          TIED_IDS):
+        assert placed == [['S0']]                          # the lookup splits the batch
+        assert predicted == measured
+        assert measured['all_reduce'] == params            # each parameter reduced once
+        issues = [i for i, k in enumerate(kinds) if 'wait' not in k]
+        waits = [i for i, k in enumerate(kinds) if 'wait' in k]
+        assert len(issues) >= 2 and min(waits) > max(issues), kinds
+        assert abs(got - loss.item()) < 1e-6
+        for name, p in serial.named_parameters():
+            assert max_rel_diff(grads[name], p.grad) < 1e-5, name

@@ -40,13 +40,14 @@ def megatron(layer_plan):
 
 def _objective(space, graph_plan, cluster):
     """GraphCost's price of the plan's choice, recomputed from the space: the strategy index
-    of every decision, then node costs + edge costs and the predicted peak memory."""
+    of every decision, then node costs + edge costs less the shared gradient all_reduces the
+    choice never runs, and the predicted peak memory."""
     choice = [d.strategies.index(graph_plan.strategy(d.name)) for d in space.decisions]
     cost = GraphCost(space, cluster)
     problem = cost.problem()
     time = sum(float(c[k]) for c, k in zip(problem.node_costs, choice))
     time += sum(float(e.cost[choice[e.src], choice[e.dst]]) for e in problem.edges)
-    return time, cost.peak_memory(choice)['peak']
+    return time - cost.shared_overcharge(choice), cost.peak_memory(choice)['peak']
 
 
 def test_megatron_layout_is_priced_on_the_graph_by_graph_cost(megatron):

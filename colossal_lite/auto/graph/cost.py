@@ -24,7 +24,15 @@ x -> P         not allowed     (infinite)
 
 Time is ``ClusterProfile.group_time(op, bytes, stride_i, p)`` (α-β); a parameter's
 gradient all_reduce is priced ``β b`` alone, since the lowered program sends all of them in
-one bucket (``buckets.py``; its one α a step is not priced). **Backward** of an edge
+one bucket (``buckets.py``; its one α a step is not priced). A parameter's gradient comes back
+through its *tree*: the parameter, the views of it (``t``, ``permute``, ``view``, ...) and the lookups
+into it (``embedding``): a gradient stays Partial through them, and their edges to other ops
+(and into the lookups) are its *uses*, priced bucketed. A parameter
+with two or more uses (a tied embedding and LM head) has its Partial gradients summed before
+the one all_reduce, so that all_reduce is priced once, on the parameter, on each axis the
+parameter is replicated on (its uses' edges price no all_reduce); the one plan this
+over-charges, none of its uses splitting work on that axis, has the charge taken back in the
+reported prediction (:meth:`GraphCost.shared_overcharge`, :meth:`GraphCost.comm_bytes`). **Backward** of an edge
 moves the gradient the other way: the consumer's input gradient is ``S`` where the input was
 ``S``, ``R`` where it was ``P``, and ``P`` where it was ``R`` and the consumer splits its work
 on that axis (else ``R``); it is redistributed to the producer's placements with any ``P``
@@ -66,6 +74,8 @@ INF = math.inf     # an impossible redistribution (to Partial): a forbidden pair
 ALIASES = VIEW_OPS | {aten.permute.default, aten.t.default, aten.transpose.int,
                       aten.slice.Tensor, aten.alias.default, aten.select.int,
                       aten.split.Tensor, aten.split_with_sizes.default}
+# ops whose gradient with respect to their table input DTensor carries back Partial
+LOOKUPS = {aten.embedding.default}
 
 
 def _numel(t: torch.Tensor) -> int:
@@ -146,6 +156,8 @@ class GraphCost:
         self._strategy_names: Dict[int, tuple] = {}   # id(Strategy) -> its names
         self._compute: Dict[int, np.ndarray] = {}
         self._liveness: Optional[Liveness] = None
+        self._trees: Optional[Dict[int, int]] = None
+        self._uses: Dict[int, List[Tuple[int, int, int]]] = {}
         self.overhead = float(cluster.compute.get('kernel_overhead_s', 0.0)) \
             if isinstance(cluster.compute, dict) else 0.0
 
@@ -191,11 +203,13 @@ class GraphCost:
                      for d, o in zip(dst, consumer_out))
 
     def edge_steps(self, nbytes: int, src, dst, consumer_out, needs_grad: bool,
-                   bucketed: bool = False):
+                   bucketed: bool = False, shared: bool = False):
         """Forward and backward collectives of one edge (None when impossible) and their
-        time; ``bucketed``: a parameter's edge, whose gradient all_reduce rides in the
-        lowered program's one bucket (``buckets.py``): priced by bandwidth alone."""
-        key = (nbytes, src, dst, consumer_out, needs_grad, bucketed)
+        time; ``bucketed``: an edge out of a parameter's tree, whose gradient all_reduce rides
+        in the lowered program's one bucket (``buckets.py``): priced by bandwidth alone;
+        ``shared``: a use of a parameter with several, whose all_reduce the parameter prices
+        (module doc): none here."""
+        key = (nbytes, src, dst, consumer_out, needs_grad, bucketed, shared)
         hit = self._steps.get(key)
         if hit is None:
             fwd = self.collectives(nbytes, src, dst)
@@ -204,11 +218,82 @@ class GraphCost:
                 want = tuple('R' if p[0] == 'P' else p for p in src)
                 bwd = self.collectives(nbytes, self._grad_placements(dst, consumer_out),
                                        want) or []
+                if shared:
+                    bwd = [step for step in bwd if step[0] != 'all_reduce']
             back = sum(self.seconds([step], not (bucketed and step[0] == 'all_reduce'))
                        for step in bwd)
             hit = self._steps[key] = (fwd, bwd, INF if fwd is None else
                                       self.seconds(fwd) + back)
         return hit
+
+    # ------------------------------------------------------------------ parameter trees
+    @property
+    def trees(self) -> Dict[int, int]:
+        """Decision -> the parameter whose tree holds it: the parameter, and each view op
+        whose one tensor input is in the tree (module doc)."""
+        if self._trees is None:
+            root: Dict[int, int] = {}
+            for j, d in enumerate(self.space.decisions):
+                if d.kind == 'param':
+                    root[j] = j
+                elif d.kind == 'op' and d.node.target in ALIASES:
+                    inputs = [p for p in d.producers if p is not None]
+                    if len(inputs) == 1 and inputs[0][0] in root:
+                        root[j] = root[inputs[0][0]]
+                elif d.kind == 'op' and d.node.target in LOOKUPS and d.producers[0] is not None \
+                        and d.producers[0][0] in root:
+                    root[j] = root[d.producers[0][0]]
+            self._trees = root
+            for j, d in enumerate(self.space.decisions):
+                view = j in root and d.node.target in ALIASES
+                for slot, prod in enumerate(d.producers):
+                    if prod is not None and prod[0] in root and not view:
+                        self._uses.setdefault(root[prod[0]], []).append((prod[0], j, slot))
+        return self._trees
+
+    def shared(self, i: int) -> bool:
+        """Whether parameter decision i has two or more uses whose gradients it sums."""
+        d = self.space.decisions[i]
+        return (d.kind == 'param' and self.trees.get(i) == i and len(self._uses.get(i, ())) > 1
+                and self._needs_grad(i, self.space.output_meta(i, 0)))
+
+    def _edge_kind(self, i: int, j: int) -> Tuple[bool, bool]:
+        """(bucketed, shared) of the edge from decision i to decision j (``edge_steps``)."""
+        root = self.trees.get(i)
+        if root is None:
+            return False, False
+        view = j in self.trees and self.space.decisions[j].node.target in ALIASES
+        return True, not view and self.shared(root)
+
+    def _shared_steps(self, i: int, code) -> list:
+        """The all_reduces of shared parameter i's summed gradient at its placements
+        ``code`` (output names): one per axis it is replicated on."""
+        src = code[1][0]
+        partial = tuple('P' if p == 'R' else p for p in src)
+        return self.collectives(_nbytes(self.space.output_meta(i, 0)), partial, src) or []
+
+    def _reduced_axes(self, i: int, choice: Sequence[int]) -> set:
+        """Axes on which a use of shared parameter i gives back a Partial gradient to a
+        replicated tree node under ``choice``: where its all_reduce really runs."""
+        axes = set()
+        for t, j, slot in self._uses[i]:
+            d = self.space.decisions[j]
+            code = self._codes(j)[choice[j]]
+            src = self._codes(t)[choice[t]][1][self.space.decisions[j].producers[slot][1]]
+            grad = self._grad_placements(code[0][slot], _grad_basis(d, slot, code))
+            axes.update(a for a, (g, s) in enumerate(zip(grad, src)) if g == 'P' and s == 'R')
+        return axes
+
+    def shared_overcharge(self, choice: Sequence[int]) -> float:
+        """Seconds the solver's objective charges for shared all_reduces that ``choice``
+        never runs (no use splits work on the axis): taken off the reported prediction."""
+        extra = 0.0
+        for i in range(len(self.space)):
+            if self.shared(i):
+                reduced = self._reduced_axes(i, choice)
+                steps = self._shared_steps(i, self._codes(i)[choice[i]])
+                extra += self.seconds([s for s in steps if s[1] not in reduced], False)
+        return extra
 
     # ------------------------------------------------------------------ per decision
     def _loss_steps(self, strategy_codes) -> list:
@@ -220,6 +305,9 @@ class GraphCost:
 
     def node_cost(self, i: int) -> np.ndarray:
         cost = self._node_cost(i)
+        if self.shared(i):
+            cost = cost + np.asarray([self.seconds(self._shared_steps(i, c), False)
+                                      for c in self._codes(i)])
         if i == self.space.loss[0]:
             cost = cost + np.asarray([self.seconds(self._loss_steps(c)) for c in self._codes(i)])
         return cost
@@ -303,15 +391,15 @@ class GraphCost:
                 i, out = prod
                 meta = self.space.output_meta(i, out)
                 nbytes, grad = _nbytes(meta), self._needs_grad(i, meta)
-                bucketed = self.space.decisions[i].kind == 'param'
+                bucketed, shared = self._edge_kind(i, j)
                 src_ids, srcs = _classes([c[1][out] for c in self._codes(i)])
                 dst_ids, dsts = _classes([(c[0][slot], _grad_basis(d, slot, c))
                                           for c in cons])
-                key = (nbytes, grad, bucketed, tuple(srcs), tuple(dsts))
+                key = (nbytes, grad, bucketed, shared, tuple(srcs), tuple(dsts))
                 small = self._matrices.get(key)
                 if small is None:   # repeated blocks share their edges' matrices
                     small = self._matrices[key] = np.array(
-                        [[self.edge_steps(nbytes, src, dst, out_of, grad, bucketed)[2]
+                        [[self.edge_steps(nbytes, src, dst, out_of, grad, bucketed, shared)[2]
                           for dst, out_of in dsts] for src in srcs])
                 edges.append(Edge(i, j, small[np.ix_(src_ids, dst_ids)]))
         return edges
@@ -335,7 +423,7 @@ class GraphCost:
                 src = self._codes(i)[choice[i]][1][o]
                 fwd, bwd, _ = self.edge_steps(_nbytes(meta), src, ins[slot],
                                               _grad_basis(d, slot, code),
-                                              self._needs_grad(i, meta))
+                                              self._needs_grad(i, meta), *self._edge_kind(i, j))
                 yield d, self.space.decisions[i], fwd or [], bwd or []
 
     def moves(self, choice: Sequence[int], axis_names: Sequence[str]) -> Dict[str, List[str]]:
@@ -360,4 +448,10 @@ class GraphCost:
         loss = self.space.loss[0]
         for op, _, b in self._loss_steps(self._codes(loss)[choice[loss]]) or []:
             out[op] = out.get(op, 0) + b
+        for i in range(len(self.space)):
+            if self.shared(i):
+                reduced = self._reduced_axes(i, choice)
+                for op, axis, b in self._shared_steps(i, self._codes(i)[choice[i]]):
+                    if axis in reduced:
+                        out[op] = out.get(op, 0) + b
         return out

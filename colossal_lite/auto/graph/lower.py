@@ -8,7 +8,8 @@ step for given input shapes it traces (``make_fx``, real tensors) the joint func
 
 through the runner and ``torch.autograd.grad`` (DTensor's identity views and copies and its
 global-shape constants dropped: ``simplify.py``; the forward's matmuls on oneDNN on CPU:
-``onednn.py``; the parameters' gradient all_reduces merged into one: ``buckets.py``). The
+``onednn.py``; the parameters' gradient all_reduces merged into one: ``buckets.py``; the
+waits only the outputs read moved to the end: ``schedule.py``). The
 trace holds the local aten ops DTensor ran and its functional collectives (all_gather / all_reduce / reduce_scatter / all_to_all on
 the mesh's process groups), forward and backward, so later steps replay exactly the same
 local computation and the same collectives with no DTensor in between.
@@ -35,6 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ...communication import profile as comm_profile
 from .buckets import bucket_gradient_all_reduces
 from .onednn import matmuls_on_onednn
+from .schedule import wait_at_end
 from .simplify import forward_end, simplify
 
 
@@ -162,6 +164,7 @@ class LoweredStep:
         simplify(graph.graph, forward_end(graph.graph))
         matmuls_on_onednn(graph.graph, forward_end(graph.graph))
         merged = bucket_gradient_all_reduces(graph.graph)   # one all_reduce per group
+        wait_at_end(graph.graph)      # the loss's collective is not waited for mid-step
         graph.recompile()
         trained = [s for s, train in zip(specs, trainable) if train]
         program = Program(graph, trained, list(used), self._entry)
