@@ -1,16 +1,17 @@
 """The graph-level auto plan against our hand layout on the same model, and the search time.
 
-Step time: one GPT-2-shaped ``transformers`` model (seed 0, same on every rank), on ``tp``
-forked CPU ranks (gloo, one thread each), one launch per hand layout (``--layouts``):
+Step time: one GPT-2- or BERT-shaped ``transformers`` model (``--model``; seed 0, same on every
+rank; BERT trains a masked LM on random targets with every third position ignored), on
+``tp`` forked CPU ranks (gloo, one thread each), one launch per hand layout (``--layouts``):
 
 * ``auto``: the unmodified HF model through ``colossal_lite.auto.parallelize`` on a mesh of
   ``tp`` devices, level ``fast``, planned for this machine's measured profile (``--cluster``;
   ``--budget`` adds a memory cap of half the replicated plan's predicted peak): the planner
   chooses between batch splits (data parallel), tensor splits and their mixes per op;
-* ``hand``: ``model_zoo.hf.gpt_from_hf`` under the launched hand layout: ``1d`` (Megatron,
+* ``hand``: ``model_zoo.hf.gpt_from_hf`` (``BERT.from_hf``) under the launched hand layout: ``1d`` (Megatron,
   tensor = tp), ``dp`` (data = tp, bucketed all_reduce), ``2d`` (SUMMA), ``dp2x1d``
   (data 2 x 1D tp/2); each replica runs its rows of the same global batch;
-* ``pinned`` (``1d`` launch): the same HF model through ``parallelize`` with the hand layout
+* ``pinned`` (``1d`` launch, GPT-2): the same HF model through ``parallelize`` with the hand layout
   pinned (``tests/auto_graph_models.gpt2_megatron_pins``): the executor's own cost, apart
   from the plan it chooses.
 
@@ -53,12 +54,49 @@ MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', '
                         'stops20_21.json')
 
 
-def _budget_gb(model, ids, tp, cluster) -> float:
+def hf_bert(args):
+    """A ``transformers`` BERT masked LM (post-LN, tied decoder, exact GELU), seed 0."""
+    import transformers
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=args['vocab'], hidden_size=args['hidden'], num_hidden_layers=args['layers'],
+        num_attention_heads=args['heads'], intermediate_size=4 * args['hidden'],
+        max_position_embeddings=args['seq'], hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)).train()
+
+
+def mlm_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Masked-LM targets: random tokens (seed 2), every third position ignored (-100)."""
+    labels = torch.randint(0, int(ids.max()) + 1, ids.shape,
+                           generator=torch.Generator().manual_seed(2))
+    labels[:, ::3] = -100
+    return labels
+
+
+def sides(args, ids, data_rank: int, data: int):
+    """``(auto model, its example inputs, its loss_fn, hand model, hand criterion, the hand
+    side's local inputs and labels)`` for ``args['model']``: GPT-2 trains on its own ids
+    (shifted inside), BERT on masked-LM labels; the hand side reads its replica's rows."""
+    from model_zoo import BERT, BertPretrainingLoss, GPTLMLoss
+    from model_zoo.hf import gpt_from_hf
+    from tests.auto_graph_models import WithLabels, output_loss
+    if args['model'] == 'gpt2':
+        local = ids.chunk(data)[data_rank]
+        return (HFCausalLM(hf_model(args).train()), (ids,), None,
+                gpt_from_hf(hf_model(args)).train(), GPTLMLoss(), local, local)
+    labels = mlm_labels(ids)
+    mlm = BertPretrainingLoss()
+    return (WithLabels(hf_bert(args)), (ids, labels), output_loss,
+            BERT.from_hf(hf_bert(args)).train(), lambda out, y: mlm(out, y),
+            ids.chunk(data)[data_rank], labels.chunk(data)[data_rank])
+
+
+def _budget_gb(model, inputs, loss_fn, tp, cluster) -> float:
     from colossal_lite.auto.cluster import load_profile
     from colossal_lite.auto.graph.api import search
     from colossal_lite.auto.graph.space import Space
     from colossal_lite.auto.graph.trace import capture
-    space = Space(capture(model, (ids,)), (tp,))
+    space = Space(capture(model, inputs, loss_fn), (tp,))
     free = search(space, load_profile(cluster), None, 'fast', {'tensor': tp}, device='cpu')
     return free.predicted['memory_bytes'] / 2 ** 30 / 2
 
@@ -83,31 +121,27 @@ def bench_rank(rank, args):
     warnings.filterwarnings('ignore')
     from colossal_lite.auto import parallelize
     from colossal_lite.context import ParallelMode, global_context as gpc
-    from model_zoo import GPTLMLoss
-    from model_zoo.hf import gpt_from_hf
     ids = batch(args)
     data = gpc.get_world_size(ParallelMode.DATA)
-    local = ids.chunk(data)[gpc.get_local_rank(ParallelMode.DATA)]  # this replica's rows
-    hand = gpt_from_hf(hf_model(args)).train()
-    loss = GPTLMLoss()
-    model = HFCausalLM(hf_model(args).train())
+    model, inputs, loss_fn, hand, loss, local, labels = sides(
+        args, ids, gpc.get_local_rank(ParallelMode.DATA), data)
     start = time.perf_counter()
-    budget = _budget_gb(HFCausalLM(hf_model(args)), ids, args['tp'], args['cluster']) \
-        if args['budget'] else None
-    auto, plan = parallelize(model, (ids,), mesh={'tensor': args['tp']}, memory_gb=budget,
-                             cluster=args['cluster'])
+    budget = _budget_gb(sides(args, ids, 0, 1)[0], inputs, loss_fn, args['tp'],
+                        args['cluster']) if args['budget'] else None
+    auto, plan = parallelize(model, inputs, loss_fn=loss_fn, mesh={'tensor': args['tp']},
+                             memory_gb=budget, cluster=args['cluster'])
     setup_s = time.perf_counter() - start
     with torch.no_grad():
-        auto_loss, hand_loss = auto(ids).item(), loss(hand(local), local).item()
+        auto_loss, hand_loss = auto(*inputs).item(), loss(hand(local), labels).item()
     if data == 1 and abs(auto_loss - hand_loss) > 1e-4 * max(1.0, abs(hand_loss)):
         raise RuntimeError(f'losses differ: auto {auto_loss}, hand {hand_loss}')
-    runs = {'auto': engine_steps(auto, lambda out, _: out, (ids, ids)),
-            'hand': engine_steps(hand, loss, (local, local))}
+    runs = {'auto': engine_steps(auto, lambda out, _: out, (inputs, inputs[-1])),
+            'hand': engine_steps(hand, loss, (local, labels))}
     out = {'check': {'auto_loss': auto_loss, 'hand_loss': hand_loss},
            'auto_setup_s': setup_s, 'plan_params': plan.params,
            'predicted_step_s': plan.predicted['step_s'],
            'timed': timed_ratios(runs, 'auto', 'hand', args['repeats'], args['steps'])}
-    if args['layout'] == '1d':
+    if args['layout'] == '1d' and args['model'] == 'gpt2':
         pinned, pinned_plan = parallelize(HFCausalLM(hf_model(args).train()), (ids,),
                                           mesh={'tensor': args['tp']}, cluster=args['cluster'],
                                           pins=gpt2_megatron_pins(args['layers']))
@@ -166,6 +200,8 @@ def search_time(layers: int) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--model', choices=('gpt2', 'bert'), default='gpt2',
+                   help='GPT-2 (causal LM) or BERT (masked LM), both from transformers')
     p.add_argument('--tp', type=int, nargs='+', default=[4], help='ranks')
     p.add_argument('--layouts', nargs='+', default=['1d', 'dp'], choices=sorted(HAND_LAYOUTS),
                    help='hand layouts timed against the auto plan, one launch each')
