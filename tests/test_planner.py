@@ -500,3 +500,28 @@ def test_autoddl_attention_example():
     assert sbp.attention_traffic(mesh, found, tokens, hidden) == 2 * 2 ** 30
     cost, mesh3, _ = sbp.search(64, tokens, hidden, min_split=16, axes=3)
     assert cost == 2.25 * 2 ** 30   # three mesh axes do not reach it
+
+
+def test_a_profile_for_more_ranks_measures_their_groups_and_shares_the_cores(tmp_path):
+    """``python -m colossal_lite.auto.profile OUT --ranks 8 --base BASE``: the collectives are
+    timed again on 8 local ranks (groups of 2, 4 and 8, each fitted), the base's compute
+    kept, its FLOP rate scaled by its ranks / 8 where 8 ranks share fewer cores."""
+    import os
+    from colossal_lite.auto.profile import main
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        'benchmarks', 'results', 'profiles', 'stops20_21.json')
+    base = load_profile(path)
+    out = tmp_path / 'eight.json'
+    assert main([str(out), '--ranks', '8', '--base', path]) == 0
+    eight = load_profile(str(out))
+    assert (eight.devices, eight.devices_per_node) == (8, 8)
+    for op in ('all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all'):
+        assert sorted(eight.collectives[op], key=int) == ['2', '4', '8'], op
+        for size in ('2', '4', '8'):
+            alpha, beta = eight.collectives[op][size]['intra']
+            assert alpha >= 0 and alpha + beta * 2 ** 22 > 1e-6, (op, size)   # 4 MiB > 1 us
+    share = base.compute['ranks'] / 8 if base.compute['cores'] < 8 else 1.0
+    assert eight.flops == pytest.approx(base.flops * share, rel=1e-12)
+    assert eight.compute['adam_s_per_param'] == base.compute['adam_s_per_param']
+    with pytest.raises(SystemExit):
+        main([str(out), '--ranks', '8'])                 # --base missing

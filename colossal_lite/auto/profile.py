@@ -26,7 +26,9 @@
 ``python -m colossal_lite.auto.profile [--rounds R] out.json`` writes the JSON (R rounds:
 every entry the median of R whole measurements, :func:`median_tree`); ``out.json
 --combine A.json B.json ...`` measures nothing and writes the median over every round of profiles
-measured at other times (:func:`combine`).
+measured at other times (:func:`combine`). ``out.json --ranks 8 --base A.json`` writes A for 8 local
+ranks: the collectives measured again on 8 (groups of 2, 4 and 8), the FLOP rate scaled to
+the cores' share (:func:`with_ranks`).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from ..context import global_context as gpc
 from ..engine.gradient_handler import data_parallel_axis
 from ..launcher import run_ranks
 from ..models import get_model, load_entry_points, registered_models
-from .cluster import ClusterProfile
+from .cluster import ClusterProfile, load_profile
 from .model_spec import ModelShape
 
 OPS = ('all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', 'broadcast', 'reduce')
@@ -88,15 +90,31 @@ def _one(op: str, elems: int, axis) -> None:
         comm.reduce(x, axis)
 
 
-def _time_collectives(rank: int, sizes: Sequence[int], repeats: int) -> Dict[str, dict]:
-    """On every rank: one block's timings (every rank computing at once, as in training),
-    then the median seconds of each op per (group size, buffer bytes)."""
+def _group_modes() -> List[ParallelMode]:
+    """The groups whose collectives are timed: the pair (PARALLEL_1D), DATA where it is a
+    size of its own (world / 2 > 2), and the world."""
+    modes, sizes = [], set()
+    for mode in (ParallelMode.PARALLEL_1D, ParallelMode.DATA, ParallelMode.GLOBAL):
+        size = gpc.get_world_size(mode)
+        if size > 1 and size not in sizes:
+            modes.append(mode)
+            sizes.add(size)
+    return modes
+
+
+def _time_collectives(rank: int, sizes: Sequence[int], repeats: int,
+                      compute: bool = True) -> Dict[str, dict]:
+    """On every rank: one block's timings (every rank computing at once, as in training;
+    skipped without ``compute``), then the median seconds of each op per (group size,
+    buffer bytes)."""
     torch.set_num_threads(1)
     comm.barrier()
-    per_tensor, per_param = measure_adam()
-    out: Dict[str, dict] = {'block': measure_block(), 'adam_s_per_param': per_param,
-                            'adam_s_per_tensor': per_tensor}
-    for mode in (ParallelMode.PARALLEL_1D, ParallelMode.GLOBAL):
+    out: Dict[str, dict] = {}
+    if compute:
+        per_tensor, per_param = measure_adam()
+        out.update(block=measure_block(), adam_s_per_param=per_param,
+                   adam_s_per_tensor=per_tensor)
+    for mode in _group_modes():
         axis = gpc.axis(mode)
         for op in OPS:
             for nbytes in sizes:
@@ -170,12 +188,15 @@ def sync_skew(per_rank: Sequence[Dict[str, List[float]]]) -> float:
     return max(0.0, after - bare)
 
 
-def measure_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS
+def measure_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, world: int = 4,
+                  compute: bool = True
                   ) -> Tuple[Dict[str, Dict[str, Dict[str, list]]], List[dict]]:
     """(``collectives`` table of a profile: op -> str(p) -> {'intra': [alpha, beta]},
-    every rank's block timings)."""
+    every rank's block timings, none without ``compute``) on ``world`` local ranks: groups of
+    2, world / 2 and world."""
     config = dict(parallel=dict(tensor=dict(size=2, mode='1d')))
-    results = run_ranks(_time_collectives, 4, config, tuple(sizes), repeats, timeout=300)
+    results = run_ranks(_time_collectives, world, config, tuple(sizes), repeats, compute,
+                        timeout=300 * max(1, world // 4))
     table: Dict[str, Dict[str, Dict[str, list]]] = {}
     for op in OPS + ('p2p',):
         for p, points in results[0][op].items():
@@ -183,6 +204,8 @@ def measure_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS
             worst = [max(r[op][p][i][1] for r in results) for i in range(len(points))]
             alpha, beta = fit_alpha_beta([n for n, _ in points], worst)
             table.setdefault(op, {})[p] = {'intra': [alpha, beta]}
+    if not compute:
+        return table, []
     skew = sync_skew([r['skew'] for r in results])
     return table, [dict(r['block'], adam_s_per_param=r['adam_s_per_param'],
                         adam_s_per_tensor=r['adam_s_per_tensor'], sync_skew_s=skew)
@@ -562,6 +585,28 @@ def measure(name: str = 'this machine', sizes: Sequence[int] = SIZES,
                                           'forked local processes, CPU)'})
 
 
+def with_ranks(base: ClusterProfile, world: int, sizes: Sequence[int] = SIZES,
+               repeats: int = REPEATS) -> ClusterProfile:
+    """``base`` for ``world`` local ranks on this one node: its collectives measured again
+    with ``world`` ranks running at once (groups of 2, world / 2 and world); its FLOP rate
+    scaled by ``base ranks / world`` where ``world`` ranks time-share fewer cores (each gets
+    that share of the cores ``base`` measured with), its other compute entries kept (the
+    family block times keep ``base``'s oversubscription: this profile is for the graph
+    planner, whose compute is ``flops``)."""
+    collectives, _ = measure_ranks(sizes, repeats, world, compute=False)
+    data = base.to_json()
+    flops = base.flops
+    ranks, cores = base.compute.get('ranks'), base.compute.get('cores')
+    if ranks and cores and world > cores:
+        flops *= float(ranks) / world
+        data['compute'] = dict(data['compute'], ranks=world)
+    data.update(name=f"{base.name}, collectives on {world} ranks", devices=world,
+                devices_per_node=world, collectives=collectives, flops=flops)
+    data['sources'] = dict(data.get('sources', {}), collectives=(
+        f'measured by colossal_lite.auto.profile on {world} forked local processes (gloo, CPU)'))
+    return ClusterProfile.from_json(data)
+
+
 def combine(profiles: Sequence[dict], name: str = 'this machine (combined)') -> ClusterProfile:
     """One profile from profiles measured at different times (``to_json`` dicts, or results
     files holding one under ``'profile'``): every entry the median over all their rounds
@@ -590,9 +635,19 @@ def main(argv: List[str] = None) -> int:
                         help='whole measurements; every entry the median of the rounds')
     parser.add_argument('--combine', nargs='+', metavar='PROFILE_JSON',
                         help='measure nothing: the median over every round of these profiles')
+    parser.add_argument('--ranks', type=int, default=None,
+                        help='with --base: measure the collectives again on this many ranks')
+    parser.add_argument('--base', metavar='PROFILE_JSON',
+                        help='with --ranks: the profile whose compute entries are kept')
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if (args.ranks is None) != (args.base is None):
+        parser.error('--ranks and --base go together')
+    if args.ranks is not None and args.ranks < 4:
+        parser.error(f'--ranks must be at least 4, got {args.ranks}')
     start = time.perf_counter()
-    if args.combine:
+    if args.ranks is not None:
+        profile = with_ranks(load_profile(args.base), args.ranks)
+    elif args.combine:
         sources = []
         for path in args.combine:
             with open(path) as f:
@@ -601,9 +656,10 @@ def main(argv: List[str] = None) -> int:
     else:
         profile = measure(rounds=args.rounds)
     profile.save(args.out)
-    alpha, beta = profile.collectives['all_reduce']['4']['intra']
+    world = str(profile.devices)
+    alpha, beta = profile.collectives['all_reduce'][world]['intra']
     print(f'wrote {args.out} in {time.perf_counter() - start:.1f} s: flops {profile.flops:.3g}/s, '
-          f'all_reduce p=4 alpha {alpha * 1e6:.1f} us, 1/beta {1 / beta / 1e9:.2f} GB/s')
+          f'all_reduce p={world} alpha {alpha * 1e6:.1f} us, 1/beta {1 / beta / 1e9:.2f} GB/s')
     return 0
 
 
