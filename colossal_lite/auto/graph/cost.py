@@ -157,6 +157,7 @@ class GraphCost:
         self._compute: Dict[int, np.ndarray] = {}
         self._liveness: Optional[Liveness] = None
         self._trees: Optional[Dict[int, int]] = None
+        self._from_param: Optional[List[bool]] = None
         self._uses: Dict[int, List[Tuple[int, int, int]]] = {}
         self.overhead = float(cluster.compute.get('kernel_overhead_s', 0.0)) \
             if isinstance(cluster.compute, dict) else 0.0
@@ -357,8 +358,19 @@ class GraphCost:
         return self.liveness.peak([self._codes(i)[c][:2] for i, c in enumerate(choice)])
 
     def _needs_grad(self, producer: int, meta: torch.Tensor) -> bool:
-        return meta.is_floating_point() and \
-            self.space.decisions[producer].kind not in ('buffer', 'constant', 'input')
+        """Whether a floating output of decision ``producer`` gets a gradient: a parameter's,
+        or an op's that reads (through any chain) a parameter; values made from buffers,
+        constants and inputs alone (rotary tables, masks) get none."""
+        return meta.is_floating_point() and self._reaches_param(producer)
+
+    def _reaches_param(self, i: int) -> bool:
+        if self._from_param is None:
+            flags = []
+            for d in self.space.decisions:
+                flags.append(d.kind == 'param' or (d.kind == 'op' and any(
+                    p is not None and flags[p[0]] for p in d.producers)))
+            self._from_param = flags
+        return self._from_param[i]
 
     def _codes(self, i: int):
         """Per strategy of decision i: (input names per slot, output names per output,
