@@ -280,21 +280,26 @@ class GraphCost:
         for t, j, slot in self._uses[i]:
             d = self.space.decisions[j]
             code = self._codes(j)[choice[j]]
-            src = self._codes(t)[choice[t]][1][self.space.decisions[j].producers[slot][1]]
+            src = self._codes(t)[choice[t]][1][d.producers[slot][1]]
             grad = self._grad_placements(code[0][slot], _grad_basis(d, slot, code))
             axes.update(a for a, (g, s) in enumerate(zip(grad, src)) if g == 'P' and s == 'R')
         return axes
 
-    def shared_overcharge(self, choice: Sequence[int]) -> float:
-        """Seconds the solver's objective charges for shared all_reduces that ``choice``
-        never runs (no use splits work on the axis): taken off the reported prediction."""
-        extra = 0.0
+    def _shared_split(self, choice: Sequence[int]) -> Tuple[list, list]:
+        """(the shared all_reduces ``choice`` runs, those the objective charges but it never
+        runs), over every shared parameter."""
+        run, unrun = [], []
         for i in range(len(self.space)):
             if self.shared(i):
                 reduced = self._reduced_axes(i, choice)
-                steps = self._shared_steps(i, self._codes(i)[choice[i]])
-                extra += self.seconds([s for s in steps if s[1] not in reduced], False)
-        return extra
+                for step in self._shared_steps(i, self._codes(i)[choice[i]]):
+                    (run if step[1] in reduced else unrun).append(step)
+        return run, unrun
+
+    def shared_overcharge(self, choice: Sequence[int]) -> float:
+        """Seconds the solver's objective charges for shared all_reduces that ``choice``
+        never runs (no use splits work on the axis): taken off the reported prediction."""
+        return self.seconds(self._shared_split(choice)[1], False)
 
     # ------------------------------------------------------------------ per decision
     def _loss_steps(self, strategy_codes) -> list:
@@ -460,10 +465,6 @@ class GraphCost:
         loss = self.space.loss[0]
         for op, _, b in self._loss_steps(self._codes(loss)[choice[loss]]) or []:
             out[op] = out.get(op, 0) + b
-        for i in range(len(self.space)):
-            if self.shared(i):
-                reduced = self._reduced_axes(i, choice)
-                for op, axis, b in self._shared_steps(i, self._codes(i)[choice[i]]):
-                    if axis in reduced:
-                        out[op] = out.get(op, 0) + b
+        for op, _, b in self._shared_split(choice)[0]:
+            out[op] = out.get(op, 0) + b
         return out

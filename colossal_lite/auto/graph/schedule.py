@@ -45,10 +45,10 @@ def _fill_from_sizes(graph: torch.fx.Graph) -> None:
         graph.erase_node(node)
 
 
-def _loss_only(graph: torch.fx.Graph) -> Set[torch.fx.Node]:
+def _loss_only(output: torch.fx.Node) -> Set[torch.fx.Node]:
     """The nodes only the loss (the program's first output) reads: none of the returned
     gradients depends on them."""
-    output = next(n for n in graph.nodes if n.op == 'output')
+    graph = output.graph
     loss, rest = output.args[0][0], output.args[0][1:]
     needed: Set[torch.fx.Node] = set()
     stack: List[torch.fx.Node] = []
@@ -68,8 +68,8 @@ def wait_at_end(graph: torch.fx.Graph) -> int:
     output; returns how many nodes moved (none if a collective would be issued later than
     traced: every rank issues its collectives in the traced order)."""
     _fill_from_sizes(graph)
-    only = _loss_only(graph)
     output = next(n for n in graph.nodes if n.op == 'output')
+    only = _loss_only(output)
     late: Set[torch.fx.Node] = set()
     for node in graph.nodes:
         if node in only and (node.target is _WAIT or any(a in late for a in node.all_input_nodes)):
